@@ -1,0 +1,33 @@
+"""Convolution operators on image batches with an explicit border rule.
+
+``zeros`` is the kernel restricted to in-image pixels (Corollary 11: the
+operator equals the dense Gram matrix over the grid); ``circular`` wraps the
+image onto a torus (diagonalised by the 2-D DFT); ``reflect`` mirrors the
+border without repeating the edge pixel.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Padding = Literal["zeros", "reflect", "circular"]
+
+
+def conv(x: torch.Tensor, bank: torch.Tensor, padding: Padding = "zeros") -> torch.Tensor:
+    """``(C * x)`` for ``x`` ``(B, c_in, H, W)`` and ``bank`` ``(c_out, c_in, kh, kw)`` with odd sides.
+
+    Returns ``(B, c_out, H, W)``. The filter is applied as a correlation, which
+    equals convolution for the symmetric filters that kernels produce.
+    """
+    kh, kw = bank.shape[-2:]
+    if kh % 2 == 0 or kw % 2 == 0:
+        raise ValueError(f"filter sides must be odd, got ({kh}, {kw})")
+    ph, pw = kh // 2, kw // 2
+    if padding == "zeros":
+        return F.conv2d(x, bank, padding=(ph, pw))
+    if padding == "reflect" and (ph >= x.shape[-2] or pw >= x.shape[-1]):
+        raise ValueError(f"reflect padding needs the image larger than the filter radius ({ph}, {pw})")
+    return F.conv2d(F.pad(x, (pw, pw, ph, ph), mode=padding), bank)

@@ -1,0 +1,58 @@
+"""Equilibrium points with gradients: implicit differentiation or Jacobian-free backward.
+
+For ``z* = f(z*; θ)`` and a loss ``ℓ(z*)``, the implicit function theorem gives
+``dℓ/dθ = uᵀ ∂f/∂θ`` with ``u = (I − ∂f/∂z)⁻ᵀ ∂ℓ/∂z*``, i.e. ``u`` solves the
+linear fixed point ``u = (∂f/∂z)ᵀ u + ∂ℓ/∂z*``. ``implicit`` solves it with
+the configured solver; ``jacobian_free`` takes ``u = ∂ℓ/∂z*`` (Fung et al.,
+"JFB", 2022), cheaper and only a descent direction.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from kdeq.solvers import Map, SolverConfig, SolverStats, solve
+
+Backward = Literal["implicit", "jacobian_free"]
+
+
+def equilibrium(
+    f: Map,
+    z0: torch.Tensor,
+    forward: SolverConfig,
+    backward: Backward = "implicit",
+    backward_solver: SolverConfig | None = None,
+) -> tuple[torch.Tensor, SolverStats]:
+    """Solve ``z* = f(z*)`` from ``z0`` ``(B, ...)`` without tracking the iterations, then
+    re-attach ``z*`` to the autograd graph by one application of ``f``.
+
+    Returns ``(z*, stats)``. When autograd is off (inference), ``z*`` is the
+    solver's best iterate. When on, the returned tensor is ``f(z*)`` — equal to
+    ``z*`` at the fixed point — and its gradient is corrected per ``backward``.
+    """
+    with torch.no_grad():
+        z_star, stats = solve(f, z0, forward)
+    if not torch.is_grad_enabled():
+        return z_star, stats
+    z_star = z_star.detach()
+    z = f(z_star)
+    if backward == "jacobian_free" or not z.requires_grad:
+        return z, stats
+
+    adjoint_cfg = backward_solver or forward.model_copy(update={"method": "anderson"})
+    z_in = z_star.clone().requires_grad_(True)
+    f_in = f(z_in)
+
+    def correct(grad: torch.Tensor) -> torch.Tensor:
+        def adjoint(u: torch.Tensor) -> torch.Tensor:
+            (jtu,) = torch.autograd.grad(f_in, z_in, u, retain_graph=True)
+            return jtu + grad
+
+        with torch.enable_grad():
+            u, _ = solve(adjoint, grad, adjoint_cfg)
+        return u.detach()
+
+    z.register_hook(correct)
+    return z, stats

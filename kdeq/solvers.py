@@ -1,0 +1,235 @@
+"""Fixed-point solvers behind one contract: ``solve(f, z0, config) -> (z, stats)``.
+
+``f`` maps a batch ``(B, ...)`` to a batch of the same shape, and samples are
+independent: ``f(z)[b]`` depends on ``z[b]`` only. Each solver tracks, per
+sample, the relative residual ``‖f(z) − z‖/‖f(z)‖`` and returns the best
+iterate it saw, with its residual. A sample stops iterating (and counting)
+the step its residual reaches ``tol``; whether the whole batch is done is
+checked on the host only every ``check_every`` steps.
+
+Solvers (registry ``SOLVERS``):
+
+- ``fixed_point``: damped iteration ``z ← (1−β)z + βf(z)``; converges when
+  ``f`` is a contraction (Assumption 2).
+- ``anderson``: Anderson acceleration (type II) with memory ``m``; converges
+  well beyond the contraction regime.
+- ``cg``: conjugate gradients for affine ``f(z) = b − Az + z`` with ``A = I − ∂f``
+  symmetric positive definite — the linear Gaussian kGLM, where
+  ``A = I + K/λ``. It uses only evaluations of ``f``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+Map = Callable[[torch.Tensor], torch.Tensor]
+
+
+class SolverConfig(BaseModel):
+    """Typed, frozen solver settings; unknown keys are an error.
+
+    Attributes:
+        method: ``fixed_point`` | ``anderson`` | ``cg``.
+        tol: target relative residual ``‖f(z) − z‖/‖f(z)‖``.
+        max_iter: iteration cap per sample.
+        check_every: host synchronisation period for the early exit.
+        damping: ``β`` in ``(1−β)z + βf(z)`` (fixed point) and in Anderson's mixing.
+        memory: Anderson's history length ``m``.
+        regularization: Anderson's Tikhonov term, relative to the mean squared
+            residual of the history (scale-free).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    method: Literal["fixed_point", "anderson", "cg"] = "anderson"
+    tol: float = Field(1e-4, gt=0)
+    max_iter: int = Field(200, ge=1)
+    check_every: int = Field(5, ge=1)
+    damping: float = Field(0.5, gt=0, le=1)
+    memory: int = Field(10, ge=1)
+    regularization: float = Field(1e-8, ge=0)
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    """Per-sample solve statistics; every field has shape ``(B,)``.
+
+    Attributes:
+        iterations: ``int64``, steps taken until the residual reached ``tol``
+            (or the cap, or the step a non-finite value appeared).
+        residual: relative residual ``‖f(z) − z‖/‖f(z)‖`` of the returned iterate.
+        converged: ``bool``, ``residual ≤ tol``.
+    """
+
+    iterations: torch.Tensor
+    residual: torch.Tensor
+    converged: torch.Tensor
+
+
+def _flat_norm(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1).norm(dim=1)
+
+
+def _bdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.reshape(a.shape[0], -1) * b.reshape(b.shape[0], -1)).sum(dim=1)
+
+
+def _rel_residual(fz: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``‖f(z) − z‖/‖f(z)‖`` per sample; NaN where either is non-finite."""
+    tiny = torch.finfo(z.dtype).tiny
+    r = _flat_norm(fz - z) / _flat_norm(fz).clamp(min=tiny)
+    return torch.where(torch.isfinite(r), r, torch.nan)
+
+
+def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return mask.reshape(mask.shape[0], *([1] * (like.dim() - 1)))
+
+
+class _Tracker:
+    """Per-sample bookkeeping shared by the solvers: best iterate, counts, and the exit test."""
+
+    def __init__(self, z: torch.Tensor, fz: torch.Tensor, config: SolverConfig) -> None:
+        self.config = config
+        self.best = z.clone()
+        self.best_res = _rel_residual(fz, z).nan_to_num(nan=torch.inf)
+        self.iterations = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
+        self.active = self.best_res > config.tol
+
+    def update(self, step: int, z: torch.Tensor, res: torch.Tensor) -> bool:
+        """Record iterate ``z`` (residual ``res``) for the samples still active; return True to stop."""
+        res = torch.where(self.active, res, torch.inf)
+        self.iterations += self.active.to(torch.int64)
+        better = res < self.best_res
+        self.best = torch.where(_expand(better, z), z, self.best)
+        self.best_res = torch.where(better, res, self.best_res)
+        self.active = self.active & (self.best_res > self.config.tol) & ~torch.isnan(res)
+        if step % self.config.check_every == 0 or step == self.config.max_iter:
+            return not bool(self.active.any())
+        return False
+
+    def result(self) -> tuple[torch.Tensor, SolverStats]:
+        stats = SolverStats(
+            iterations=self.iterations,
+            residual=self.best_res,
+            converged=self.best_res <= self.config.tol,
+        )
+        return self.best, stats
+
+
+def fixed_point(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
+    """Damped Picard iteration ``z_{k+1} = (1−β) z_k + β f(z_k)``."""
+    z, fz = z0, f(z0)
+    track = _Tracker(z, fz, config)
+    beta = config.damping
+    for step in range(1, config.max_iter + 1):
+        keep = _expand(track.active, z)
+        z = torch.where(keep, (1.0 - beta) * z + beta * fz, z)
+        fz = f(z)
+        if track.update(step, z, _rel_residual(fz, z)):
+            break
+    return track.result()
+
+
+def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
+    """Anderson acceleration: ``z_{k+1} = Σ_i α_i (β f(z_i) + (1−β) z_i)`` over the last ``m`` iterates,
+    with ``α = argmin ‖Σ_i α_i g_i‖² + r‖α‖²`` subject to ``Σ_i α_i = 1``, ``g_i = f(z_i) − z_i``.
+
+    The ``(m+1)×(m+1)`` bordered system is solved in float64 per sample; a
+    sample whose system is singular or non-finite takes a plain damped step.
+    """
+    bsz = z0.shape[0]
+    shape = z0.shape
+    m = config.memory
+    beta = config.damping
+    xs = torch.zeros(bsz, m, z0[0].numel(), dtype=z0.dtype, device=z0.device)
+    fs = torch.zeros_like(xs)
+
+    z, fz = z0, f(z0)
+    track = _Tracker(z, fz, config)
+    xs[:, 0], fs[:, 0] = z.reshape(bsz, -1), fz.reshape(bsz, -1)
+    for step in range(1, config.max_iter + 1):
+        n = min(step, m)
+        g = (fs[:, :n] - xs[:, :n]).to(torch.float64)
+        gram = g @ g.transpose(1, 2)
+        scale = gram.diagonal(dim1=1, dim2=2).mean(dim=1).clamp(min=torch.finfo(torch.float64).tiny)
+        system = torch.zeros(bsz, n + 1, n + 1, dtype=torch.float64, device=z0.device)
+        system[:, 0, 1:] = 1.0
+        system[:, 1:, 0] = 1.0
+        system[:, 1:, 1:] = gram + (config.regularization * scale)[:, None, None] * torch.eye(
+            n, dtype=torch.float64, device=z0.device
+        )
+        rhs = torch.zeros(bsz, n + 1, 1, dtype=torch.float64, device=z0.device)
+        rhs[:, 0] = 1.0
+        sol, info = torch.linalg.solve_ex(system, rhs)
+        alpha = sol[:, 1:, 0]
+        latest = (step - 1) % m
+        plain = torch.zeros_like(alpha)
+        plain[:, latest] = 1.0
+        bad = (info != 0) | ~torch.isfinite(alpha).all(dim=1)
+        alpha = torch.where(bad[:, None], plain, alpha).to(z0.dtype)
+
+        mixed = beta * torch.einsum("bi,bin->bn", alpha, fs[:, :n])
+        if beta < 1.0:
+            mixed = mixed + (1.0 - beta) * torch.einsum("bi,bin->bn", alpha, xs[:, :n])
+        keep = _expand(track.active, z)
+        z = torch.where(keep, mixed.reshape(shape), z)
+        fz = f(z)
+        slot = step % m
+        xs[:, slot], fs[:, slot] = z.reshape(bsz, -1), fz.reshape(bsz, -1)
+        if track.update(step, z, _rel_residual(fz, z)):
+            break
+    return track.result()
+
+
+def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
+    """Conjugate gradients on ``A z = b`` with ``A z = z − f(z) + f(0)`` and ``b = f(0)``.
+
+    Valid when ``f`` is affine and ``I − ∂f`` is symmetric positive definite.
+    The CG residual ``b − Az`` is exactly the fixed-point residual ``f(z) − z``.
+    A sample whose curvature ``pᵀAp`` is not positive stops (its best iterate stands).
+    """
+    f0 = f(torch.zeros_like(z0))
+    z = z0
+    r = f(z0) - z0
+    track = _Tracker(z, z + r, config)
+    p = r.clone()
+    rr = _bdot(r, r)
+    tiny = torch.finfo(z0.dtype).tiny
+    for step in range(1, config.max_iter + 1):
+        ap = p - (f(p) - f0)
+        pap = _bdot(p, ap)
+        ok = track.active & (pap > 0) & torch.isfinite(pap)
+        track.active = ok
+        a = torch.where(ok, rr / pap.clamp(min=tiny), 0.0)
+        z = z + _expand(a, z) * p
+        r = r - _expand(a, r) * ap
+        rr_new = _bdot(r, r)
+        b = torch.where(ok, rr_new / rr.clamp(min=tiny), 0.0)
+        p = r + _expand(b, p) * p
+        rr = torch.where(ok, rr_new, rr)
+        if track.update(step, z, _rel_residual(z + r, z)):
+            break
+    # The recursive residual drifts from the true one in finite precision: report the true one.
+    best, stats = track.result()
+    true_res = _rel_residual(f(best), best).nan_to_num(nan=torch.inf)
+    stats = SolverStats(stats.iterations, true_res, true_res <= config.tol)
+    return best, stats
+
+
+Solver = Callable[[Map, torch.Tensor, SolverConfig], tuple[torch.Tensor, SolverStats]]
+
+SOLVERS: dict[str, Solver] = {
+    "fixed_point": fixed_point,
+    "anderson": anderson,
+    "cg": conjugate_gradient,
+}
+
+
+def solve(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
+    """Find ``z = f(z)`` from ``z0`` ``(B, ...)`` with ``config.method``; see the module docstring."""
+    return SOLVERS[config.method](f, z0, config)

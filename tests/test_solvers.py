@@ -1,0 +1,129 @@
+"""The solver contract (DESIGN §4): typed configs, per-sample statistics, best iterates."""
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from kdeq import SOLVERS, SolverConfig, solve
+
+F64 = torch.float64
+METHODS = sorted(SOLVERS)
+
+
+def _diagonal_affine(slopes: torch.Tensor, n: int = 50):
+    """``f(z) = a_b·z + c`` per sample ``b``: fixed point ``c/(1−a_b)``, Jacobian ``a_b I`` (symmetric)."""
+    c = torch.linspace(0.5, 1.5, n, dtype=F64)
+
+    def f(z: torch.Tensor) -> torch.Tensor:
+        return slopes[:, None] * z + c
+
+    return f, c[None] / (1 - slopes[:, None])
+
+
+def _rel(f, z: torch.Tensor) -> torch.Tensor:
+    fz = f(z)
+    return (fz - z).norm(dim=1) / fz.norm(dim=1)
+
+
+def test_config_rejects_unknown_keys_and_is_frozen() -> None:
+    with pytest.raises(ValidationError):
+        SolverConfig(method="anderson", tolerance=1e-5)
+    with pytest.raises(ValidationError):
+        SolverConfig(method="broyden")
+    with pytest.raises(ValidationError):
+        SolverConfig(tol=-1.0)
+    cfg = SolverConfig()
+    with pytest.raises(ValidationError):
+        cfg.tol = 1e-3
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_stats_are_per_sample_and_describe_the_returned_iterate(method: str) -> None:
+    f, exact = _diagonal_affine(torch.tensor([0.1, 0.5, -0.8], dtype=F64))
+    cfg = SolverConfig(method=method, tol=1e-9, max_iter=500, damping=1.0)
+    z, stats = solve(f, torch.zeros(3, 50, dtype=F64), cfg)
+    assert stats.iterations.shape == stats.residual.shape == stats.converged.shape == (3,)
+    assert stats.iterations.dtype == torch.int64 and stats.converged.dtype == torch.bool
+    assert stats.converged.all()
+    assert torch.allclose(stats.residual, _rel(f, z), rtol=1e-6, atol=1e-15)
+    assert torch.allclose(z, exact, rtol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["fixed_point", "anderson"])
+def test_converged_samples_stop_counting_and_checks_do_not_change_results(method: str) -> None:
+    slopes = torch.tensor([0.1, 0.9], dtype=F64)
+    f, _ = _diagonal_affine(slopes)
+    z0 = torch.zeros(2, 50, dtype=F64)
+    base = dict(method=method, tol=1e-8, max_iter=400, damping=1.0)
+    z1, s1 = solve(f, z0, SolverConfig(**base, check_every=1))
+    z7, s7 = solve(f, z0, SolverConfig(**base, check_every=7))
+    assert torch.equal(s1.iterations, s7.iterations) and torch.equal(z1, z7)
+    easy_alone, s_easy = solve(_diagonal_affine(slopes[:1])[0], z0[:1], SolverConfig(**base, check_every=7))
+    assert s7.iterations[0] == s_easy.iterations[0] < s7.iterations[1]
+    assert torch.equal(z7[:1], easy_alone)
+
+
+def test_plain_iteration_counts_match_the_contraction_rate() -> None:
+    f, _ = _diagonal_affine(torch.tensor([0.5], dtype=F64))
+    _, stats = solve(
+        f, torch.zeros(1, 50, dtype=F64), SolverConfig(method="fixed_point", tol=1e-6, damping=1.0)
+    )
+    # residual of z_k is 0.5^k · ‖c‖ against ‖f(z_k)‖ ≈ ‖z*‖ = 2‖c‖
+    k = stats.iterations.item()
+    assert 0.5**k / (2 - 0.5**k) <= 1e-6 < 0.5 ** (k - 1) / (2 - 0.5 ** (k - 1))
+
+
+def test_divergent_iteration_returns_best_finite_iterate() -> None:
+    f, _ = _diagonal_affine(torch.tensor([-3.0], dtype=F64))
+    z0 = torch.zeros(1, 50, dtype=F64)
+    z, stats = solve(f, z0, SolverConfig(method="fixed_point", tol=1e-8, max_iter=2000, damping=1.0))
+    assert not stats.converged.item()
+    assert torch.isfinite(z).all()
+    assert stats.residual.item() == pytest.approx(_rel(f, z).item())
+    assert stats.residual.item() <= _rel(f, z0).item()
+
+
+def test_non_finite_values_stop_the_sample_and_keep_its_best() -> None:
+    def f(z: torch.Tensor) -> torch.Tensor:
+        return torch.where(z.abs() > 10, torch.full_like(z, torch.nan), 2.0 * z + 1.0)
+
+    z, stats = solve(
+        f, torch.zeros(2, 4, dtype=F64), SolverConfig(method="fixed_point", max_iter=50, damping=1.0)
+    )
+    assert torch.isfinite(z).all() and torch.isfinite(stats.residual).all()
+    assert not stats.converged.any()
+    assert (stats.iterations < 50).all()
+
+
+def test_anderson_falls_back_when_its_system_is_singular() -> None:
+    def f(z: torch.Tensor) -> torch.Tensor:
+        return z + 1.0  # no fixed point: every residual is the same vector, G Gᵀ has rank one
+
+    cfg = SolverConfig(method="anderson", regularization=0.0, max_iter=20)
+    z, stats = solve(f, torch.zeros(2, 8, dtype=F64), cfg)
+    assert torch.isfinite(z).all()
+    assert not stats.converged.any()
+    assert (stats.iterations == 20).all()
+
+
+def test_cg_solves_spd_system_exactly_within_dimension() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.linalg.qr(torch.randn(30, 30, generator=gen, dtype=F64))[0]
+    a = q @ torch.diag(torch.linspace(1.0, 50.0, 30, dtype=F64)) @ q.T
+    b = torch.randn(2, 30, generator=gen, dtype=F64)
+
+    def f(z: torch.Tensor) -> torch.Tensor:
+        return z - z @ a + b  # z = f(z)  ⇔  A z = b
+
+    z, stats = solve(f, torch.zeros(2, 30, dtype=F64), SolverConfig(method="cg", tol=1e-12, max_iter=60))
+    assert stats.converged.all() and (stats.iterations <= 45).all()
+    assert torch.allclose(z, torch.linalg.solve(a, b.T).T, atol=1e-10)
+
+
+def test_anderson_needs_fewer_iterations_than_plain_iteration() -> None:
+    f, _ = _diagonal_affine(torch.tensor([0.95], dtype=F64))
+    z0 = torch.zeros(1, 50, dtype=F64)
+    _, plain = solve(f, z0, SolverConfig(method="fixed_point", tol=1e-8, max_iter=1000, damping=1.0))
+    _, acc = solve(f, z0, SolverConfig(method="anderson", tol=1e-8, max_iter=1000))
+    assert acc.converged.all() and plain.converged.all()
+    assert acc.iterations.item() * 5 < plain.iterations.item()
