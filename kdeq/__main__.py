@@ -1,0 +1,3 @@
+from kdeq.cli import main
+
+main()
