@@ -70,6 +70,10 @@ class KGLMDEQ(nn.Module):
         w1, w2, w3, v1, v2: the linear maps; ``w3`` is ``None`` for a flat prior.
         solver: default forward solver.
         backward: ``implicit`` or ``jacobian_free`` gradients.
+        backward_solver: settings of the implicit adjoint solve (default: see
+            ``kdeq.implicit.equilibrium``).
+        same_coordinates: ``X̃ = X`` (convolutional form, or dense without a
+            separate ``k(X̃, X)``), so the readout's mean defaults to ``m``.
     """
 
     def __init__(
@@ -83,6 +87,8 @@ class KGLMDEQ(nn.Module):
         v2: nn.Module,
         solver: SolverConfig | None = None,
         backward: Backward = "implicit",
+        backward_solver: SolverConfig | None = None,
+        same_coordinates: bool = True,
     ) -> None:
         super().__init__()
         if (w3 is None) != prior.flat:
@@ -92,6 +98,8 @@ class KGLMDEQ(nn.Module):
         self.w1, self.w2, self.w3, self.v1, self.v2 = w1, w2, w3, v1, v2
         self.solver = solver or SolverConfig()
         self.backward = backward
+        self.backward_solver = backward_solver
+        self.same_coordinates = same_coordinates
 
     def cell(
         self,
@@ -138,13 +146,20 @@ class KGLMDEQ(nn.Module):
     ) -> DEQOutput:
         """Solve for ``z`` given observations ``y`` (``(B, n)`` dense or ``(B, c, H, W)`` conv) and read out.
 
-        ``mean``/``mean_out`` are ``m(X)`` and ``m(X̃)`` (default 0), ``mask`` the
-        observed set (default all), ``z0`` the start (default ``σ(m)``), ``solver``
-        an override of the layer's default.
+        ``mean``/``mean_out`` are ``m(X)`` and ``m(X̃)`` (default 0; ``mean_out``
+        defaults to ``mean`` when ``X̃ = X`` and must be given otherwise),
+        ``mask`` the observed set (default all), ``z0`` the start (default
+        ``σ(m)``), ``solver`` an override of the layer's default.
         """
+        if mean is not None and mean_out is None:
+            if not self.same_coordinates:
+                raise ValueError("a mean m(X) was given without m(X̃); pass mean_out for X̃ ≠ X")
+            mean_out = mean
         t = self.family.T(y)
         if z0 is None:
             z0 = self.family.sigma(mean if mean is not None else torch.zeros_like(t))
         cfg = solver or self.solver
-        z, stats = equilibrium(lambda v: self.cell(v, t, mean, mask), z0, cfg, self.backward, None)
+        z, stats = equilibrium(
+            lambda v: self.cell(v, t, mean, mask), z0, cfg, self.backward, self.backward_solver
+        )
         return DEQOutput(self.readout(z, t, mean_out, mask), z, stats)

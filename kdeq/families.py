@@ -142,12 +142,14 @@ class Spin:
 
 
 class Poisson:
-    """Poisson counts with the canonical parameter restricted to ``η ≤ η_max``.
+    """Poisson counts with the curvature capped above ``η_max``.
 
-    ``A(η) = eᶯ`` has unbounded curvature, so the working domain is bounded
-    above: the mean map is ``σ(η) = exp(min(η, η_max))`` and
-    ``sup A'' = exp(η_max)``. Below ``η_max`` every quantity is the exact
-    Poisson one; choose ``η_max`` above ``log`` of the largest expected count.
+    ``A(η) = eᶯ`` has unbounded curvature, so above ``η_max`` it continues along
+    its second-order Taylor expansion: ``A(η) = e^{η_max}(1 + δ + δ²/2)`` with
+    ``δ = η − η_max``. ``A`` stays strictly convex and C², ``σ`` strictly
+    increasing (so ``σ⁻¹`` is exact everywhere, which the prior's ``ρ = Q'∘σ⁻¹``
+    needs) and ``sup A'' = e^{η_max}``. Below ``η_max`` every quantity is the
+    exact Poisson one; choose ``η_max`` above ``log`` of the largest expected count.
     """
 
     name = "poisson"
@@ -156,28 +158,31 @@ class Poisson:
         if not math.isfinite(eta_max):
             raise ValueError("Poisson needs a finite eta_max to bound A''")
         self.eta_max = eta_max
+        self._top = math.exp(eta_max)
 
     def A(self, eta: torch.Tensor) -> torch.Tensor:
-        # exp below η_max, its tangent line above: convex and C¹, so σ = A' is the clamp
-        top = math.exp(self.eta_max)
+        d = eta - self.eta_max
         return torch.where(
-            eta <= self.eta_max,
-            torch.exp(eta.clamp(max=self.eta_max)),
-            top * (1.0 + eta - self.eta_max),
+            d <= 0, torch.exp(eta.clamp(max=self.eta_max)), self._top * (1.0 + d + 0.5 * d * d)
         )
 
     def sigma(self, eta: torch.Tensor) -> torch.Tensor:
-        return torch.exp(eta.clamp(max=self.eta_max))
+        d = eta - self.eta_max
+        return torch.where(d <= 0, torch.exp(eta.clamp(max=self.eta_max)), self._top * (1.0 + d))
 
     def sigma_inv(self, mu: torch.Tensor) -> torch.Tensor:
         tiny = torch.finfo(mu.dtype).tiny
-        return torch.log(mu.clamp(min=tiny))
+        return torch.where(
+            mu <= self._top,
+            torch.log(mu.clamp(min=tiny)),
+            self.eta_max + mu / self._top - 1.0,
+        )
 
     def A2(self, eta: torch.Tensor) -> torch.Tensor:
-        return torch.where(eta <= self.eta_max, torch.exp(eta.clamp(max=self.eta_max)), 0.0)
+        return torch.exp(eta.clamp(max=self.eta_max))
 
     def sup_A2(self) -> float:
-        return math.exp(self.eta_max)
+        return self._top
 
     def T(self, y: torch.Tensor) -> torch.Tensor:
         return y

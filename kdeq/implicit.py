@@ -9,6 +9,7 @@ the configured solver; ``jacobian_free`` takes ``u = ∂ℓ/∂z*`` (Fung et al.
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -30,7 +31,12 @@ def equilibrium(
 
     Returns ``(z*, stats)``. When autograd is off (inference), ``z*`` is the
     solver's best iterate. When on, the returned tensor is ``f(z*)`` — equal to
-    ``z*`` at the fixed point — and its gradient is corrected per ``backward``.
+    ``z*`` at the fixed point; ``stats`` describe ``z*`` — and its gradient is
+    corrected per ``backward``. The adjoint solve uses ``backward_solver``,
+    by default the forward settings with CG kept for a CG forward (the adjoint
+    of a symmetric linear DEQ is the same SPD system) and Anderson otherwise;
+    a backward solve that does not converge raises a ``RuntimeWarning``.
+    Higher-order gradients (``create_graph=True``) are not supported and raise.
     """
     with torch.no_grad():
         z_star, stats = solve(f, z0, forward)
@@ -41,17 +47,29 @@ def equilibrium(
     if backward == "jacobian_free" or not z.requires_grad:
         return z, stats
 
-    adjoint_cfg = backward_solver or forward.model_copy(update={"method": "anderson"})
+    adjoint_cfg = backward_solver or forward.model_copy(
+        update={"method": "cg" if forward.method == "cg" else "anderson"}
+    )
     z_in = z_star.clone().requires_grad_(True)
     f_in = f(z_in)
 
     def correct(grad: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise RuntimeError("higher-order gradients through an implicit equilibrium are not supported")
+
         def adjoint(u: torch.Tensor) -> torch.Tensor:
             (jtu,) = torch.autograd.grad(f_in, z_in, u, retain_graph=True)
             return jtu + grad
 
         with torch.enable_grad():
-            u, _ = solve(adjoint, grad, adjoint_cfg)
+            u, adj_stats = solve(adjoint, grad, adjoint_cfg)
+        if not bool(adj_stats.converged.all()):
+            warnings.warn(
+                f"implicit backward solve did not converge: residual {adj_stats.residual.max().item():.2e} "
+                f"> tol {adjoint_cfg.tol:g} after {adj_stats.iterations.max().item()} iterations",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return u.detach()
 
     z.register_hook(correct)

@@ -39,6 +39,7 @@ def dense_deq(
     ``cross`` defaults to ``K`` (``X̃ = X``, where ``η̃ = σ⁻¹(z)``). Inputs are ``(B, n)``.
     """
     _check_lambda(lam)
+    same = cross is None
     cross = gram if cross is None else cross
     if gram.shape[0] != gram.shape[1] or cross.shape[1] != gram.shape[0]:
         raise ValueError(f"incompatible Gram {tuple(gram.shape)} and cross {tuple(cross.shape)}")
@@ -53,6 +54,7 @@ def dense_deq(
         DenseMap(cross / lam),
         solver,
         backward,
+        same_coordinates=same,
     )
 
 

@@ -2,7 +2,9 @@
 
 ``f`` maps a batch ``(B, ...)`` to a batch of the same shape, and samples are
 independent: ``f(z)[b]`` depends on ``z[b]`` only. Each solver tracks, per
-sample, the relative residual ``‖f(z) − z‖/‖f(z)‖`` and returns the best
+sample, the relative residual ``‖f(z) − z‖/max(‖f(z)‖, a√n)`` (``n`` entries
+per sample, ``a`` the config's ``atol``: the floor only matters for a fixed
+point near 0, where a pure ratio can never fall) and returns the best
 iterate it saw, with its residual. A sample stops iterating (and counting)
 the step its residual reaches ``tol``; whether the whole batch is done is
 checked on the host only every ``check_every`` steps.
@@ -42,6 +44,7 @@ class SolverConfig(BaseModel):
         memory: Anderson's history length ``m``.
         regularization: Anderson's Tikhonov term, relative to the mean squared
             residual of the history (scale-free).
+        atol: root-mean-square floor ``a`` under the residual's denominator.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -53,6 +56,7 @@ class SolverConfig(BaseModel):
     damping: float = Field(0.5, gt=0, le=1)
     memory: int = Field(10, ge=1)
     regularization: float = Field(1e-8, ge=0)
+    atol: float = Field(1e-8, ge=0)
 
 
 @dataclass(frozen=True)
@@ -79,10 +83,10 @@ def _bdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.reshape(a.shape[0], -1) * b.reshape(b.shape[0], -1)).sum(dim=1)
 
 
-def _rel_residual(fz: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """``‖f(z) − z‖/‖f(z)‖`` per sample; NaN where either is non-finite."""
-    tiny = torch.finfo(z.dtype).tiny
-    r = _flat_norm(fz - z) / _flat_norm(fz).clamp(min=tiny)
+def _rel_residual(fz: torch.Tensor, z: torch.Tensor, atol: float) -> torch.Tensor:
+    """``‖f(z) − z‖/max(‖f(z)‖, atol·√n)`` per sample; NaN where either is non-finite."""
+    floor = max(atol * z[0].numel() ** 0.5, torch.finfo(z.dtype).tiny)
+    r = _flat_norm(fz - z) / _flat_norm(fz).clamp(min=floor)
     return torch.where(torch.isfinite(r), r, torch.nan)
 
 
@@ -96,7 +100,7 @@ class _Tracker:
     def __init__(self, z: torch.Tensor, fz: torch.Tensor, config: SolverConfig) -> None:
         self.config = config
         self.best = z.clone()
-        self.best_res = _rel_residual(fz, z).nan_to_num(nan=torch.inf)
+        self.best_res = _rel_residual(fz, z, config.atol).nan_to_num(nan=torch.inf)
         self.iterations = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
         self.active = self.best_res > config.tol
 
@@ -130,7 +134,7 @@ def fixed_point(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.T
         keep = _expand(track.active, z)
         z = torch.where(keep, (1.0 - beta) * z + beta * fz, z)
         fz = f(z)
-        if track.update(step, z, _rel_residual(fz, z)):
+        if track.update(step, z, _rel_residual(fz, z, config.atol)):
             break
     return track.result()
 
@@ -181,7 +185,7 @@ def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tens
         fz = f(z)
         slot = step % m
         xs[:, slot], fs[:, slot] = z.reshape(bsz, -1), fz.reshape(bsz, -1)
-        if track.update(step, z, _rel_residual(fz, z)):
+        if track.update(step, z, _rel_residual(fz, z, config.atol)):
             break
     return track.result()
 
@@ -212,11 +216,11 @@ def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[
         b = torch.where(ok, rr_new / rr.clamp(min=tiny), 0.0)
         p = r + _expand(b, p) * p
         rr = torch.where(ok, rr_new, rr)
-        if track.update(step, z, _rel_residual(z + r, z)):
+        if track.update(step, z, _rel_residual(z + r, z, config.atol)):
             break
     # The recursive residual drifts from the true one in finite precision: report the true one.
     best, stats = track.result()
-    true_res = _rel_residual(f(best), best).nan_to_num(nan=torch.inf)
+    true_res = _rel_residual(f(best), best, config.atol).nan_to_num(nan=torch.inf)
     stats = SolverStats(stats.iterations, true_res, true_res <= config.tol)
     return best, stats
 

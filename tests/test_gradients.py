@@ -63,7 +63,7 @@ def test_implicit_gradients_match_closed_form(c: float) -> None:
     layer, y, mean, target = _linear_case(c)
     exact = _closed_form_grads(layer, y, mean, target)
     y_in = y.clone().requires_grad_(True)
-    out = layer(y_in, mean=mean)
+    out = layer(y_in, mean=mean, mean_out=torch.zeros_like(target))
     assert out.stats.converged.all()
     loss = ((out.eta - target) ** 2).sum()
     got = torch.autograd.grad(
@@ -78,7 +78,7 @@ def test_jacobian_free_backward_runs_and_is_reported() -> None:
     layer, y, mean, target = _linear_case(0.5)
     exact = _closed_form_grads(layer, y, mean, target)
     layer.backward = "jacobian_free"
-    loss = ((layer(y, mean=mean).eta - target) ** 2).sum()
+    loss = ((layer(y, mean=mean, mean_out=torch.zeros_like(target)).eta - target) ** 2).sum()
     loss.backward()
     cosines = []
     for name, e in zip(["w1", "w2", "v1", "v2"], exact, strict=False):
@@ -92,8 +92,8 @@ def test_jacobian_free_backward_runs_and_is_reported() -> None:
 
 
 def test_nonlinear_implicit_gradients_match_unrolled_iteration() -> None:
-    """Bernoulli with a log-cosh prior in the contraction regime: backprop through 400 plain
-    steps converges to the same gradient the implicit function theorem gives."""
+    """Bernoulli with a log-cosh prior and a mask, in the contraction regime: backprop through
+    400 plain steps converges to the same gradient the implicit function theorem gives."""
     kern = Kernel(lengthscale=1.2, radius=2)
     bank = kern.filter(F64)[None, None]
     h = w = 8
@@ -105,17 +105,20 @@ def test_nonlinear_implicit_gradients_match_unrolled_iteration() -> None:
     _perturb(layer, 0.1, seed=2)
     y = (torch.rand(2, 1, h, w, dtype=F64) > 0.5).to(F64)
     target = torch.rand(2, 1, h, w, dtype=F64)
+    mask = (torch.rand(2, 1, h, w) > 0.3).to(F64)
     params = list(layer.parameters())
     assert len(params) == 5  # W1, W2, W3, V1, V2
 
-    loss = ((torch.sigmoid(layer(y).eta) - target) ** 2).sum()
+    loss = ((torch.sigmoid(layer(y, mask=mask).eta) - target) ** 2).sum()
     implicit = torch.autograd.grad(loss, params)
 
     t = layer.family.T(y)
     z = torch.full_like(y, 0.5)
     for _ in range(400):
-        z = layer.cell(z, t)
-    unrolled = torch.autograd.grad(((torch.sigmoid(layer.readout(z, t)) - target) ** 2).sum(), params)
+        z = layer.cell(z, t, mask=mask)
+    unrolled = torch.autograd.grad(
+        ((torch.sigmoid(layer.readout(z, t, mask=mask)) - target) ** 2).sum(), params
+    )
     for g, e in zip(implicit, unrolled, strict=True):
         assert torch.isfinite(g).all() and g.abs().max() > 0
         assert _cosine(g, e) >= 0.9999
@@ -136,8 +139,53 @@ def test_every_parameter_gets_a_gradient_with_a_mask_and_mean() -> None:
 
 
 def test_inference_mode_returns_best_iterate_without_graph() -> None:
-    layer, y, mean, _ = _linear_case(0.5)
+    layer, y, mean, target = _linear_case(0.5)
     with torch.inference_mode():
-        out = layer(y, mean=mean)
+        out = layer(y, mean=mean, mean_out=torch.zeros_like(target))
     assert not out.eta.requires_grad
     assert out.stats.converged.all()
+
+
+def _gaussian_conv_case(c: float, method: str):
+    kern = Kernel(lengthscale=2.0, radius=4)
+    h = w = 16
+    gram = kern.gram(grid_coordinates(h, w))
+    lam = lambda_from_ratio(dense_spectral_norm(gram), c)
+    layer = conv_deq(
+        Gaussian(),
+        GaussianPrior(),
+        kern.filter(F64)[None, None],
+        lam,
+        solver=SolverConfig(method=method, tol=1e-10, max_iter=3000),
+    )
+    return layer, gram, lam, torch.rand(2, 1, h, w, dtype=F64), torch.rand(2, 1, h, w, dtype=F64)
+
+
+def test_implicit_gradient_far_beyond_contraction_with_cg() -> None:
+    """‖K/λ‖ = 300 (mild noise): the adjoint is the same SPD system and CG solves it."""
+    layer, gram, lam, y, target = _gaussian_conv_case(300.0, "cg")
+    n = gram.shape[0]
+    y_flat = y.reshape(2, n).clone().requires_grad_(True)
+    z = torch.linalg.solve(torch.eye(n, dtype=F64) + gram / lam, (y_flat @ gram / lam).T).T
+    eta = (y_flat - z) @ gram / lam
+    (exact,) = torch.autograd.grad(((eta - target.reshape(2, n)) ** 2).sum(), y_flat)
+    y_in = y.clone().requires_grad_(True)
+    (got,) = torch.autograd.grad(((layer(y_in).eta - target) ** 2).sum(), y_in)
+    assert torch.allclose(got.reshape(2, n), exact, rtol=1e-5, atol=1e-7 * exact.abs().max().item())
+
+
+def test_unconverged_backward_solve_warns() -> None:
+    layer, _, _, y, target = _gaussian_conv_case(300.0, "cg")
+    layer.backward_solver = SolverConfig(method="anderson", max_iter=2)
+    y_in = y.clone().requires_grad_(True)
+    loss = ((layer(y_in).eta - target) ** 2).sum()
+    with pytest.warns(RuntimeWarning, match="did not converge"):
+        loss.backward()
+
+
+def test_higher_order_gradients_are_refused() -> None:
+    layer, _, _, y, target = _gaussian_conv_case(2.0, "cg")
+    y_in = y.clone().requires_grad_(True)
+    loss = ((layer(y_in).eta - target) ** 2).sum()
+    with pytest.raises(RuntimeError, match="higher-order"):
+        torch.autograd.grad(loss, y_in, create_graph=True)

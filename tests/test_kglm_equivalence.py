@@ -195,3 +195,37 @@ def test_masked_deq_inpaints_like_kernel_ridge_on_observed_pixels(channels: int)
         ref = _sklearn_krr(gram[obs][:, obs], y[b].reshape(1, -1)[:, obs], lam, gram[~obs][:, obs])
         got = out.eta[b].reshape(-1)[~obs]
         assert torch.allclose(got, ref[0], atol=1e-8, rtol=0)
+        # rows are restricted too: unobserved z sits at σ(m) = 0 and takes no part
+        assert torch.equal(out.z[b].reshape(-1)[~obs], torch.zeros(int((~obs).sum()), dtype=F64))
+
+
+def test_poisson_with_prior_past_the_curvature_cap_matches_newton() -> None:
+    """Counts whose MAP η lies above η_max: the capped family is still one strictly convex kGLM."""
+    gen = torch.Generator().manual_seed(11)
+    kern = Kernel(lengthscale=1.5, radius=3)
+    x = torch.rand(50, 2, generator=gen, dtype=F64) * 6
+    gram = kern.gram(x)
+    family, prior = Poisson(eta_max=1.0), LogCoshPrior(0.4, 0.5)
+    y = torch.poisson(torch.full((2, 50), 8.0, dtype=F64), generator=gen)
+    lam = lambda_from_ratio(dense_spectral_norm(gram), 0.5, family.sup_A2())
+    layer = dense_deq(family, prior, gram, lam)
+    with torch.no_grad():
+        out = layer(y, solver=TIGHT)
+    alpha = newton_kglm(family, prior, gram, y, lam)
+    assert out.stats.converged.all()
+    assert (alpha @ gram).max() > family.eta_max
+    assert torch.allclose(out.eta, alpha @ gram, atol=1e-8, rtol=0)
+
+
+def test_mean_defaults_and_requirements() -> None:
+    kern = Kernel(lengthscale=1.5, radius=2)
+    bank = kern.filter(F64)[None, None]
+    layer = conv_deq(Gaussian(), GaussianPrior(), bank, 2.0, solver=TIGHT)
+    y = torch.rand(1, 1, 8, 8, dtype=F64)
+    mean = torch.full_like(y, 0.5)
+    with torch.no_grad():
+        assert torch.equal(layer(y, mean=mean).eta, layer(y, mean=mean, mean_out=mean).eta)
+    x = grid_coordinates(8, 8)
+    dense = dense_deq(Gaussian(), GaussianPrior(), kern.gram(x), 2.0, cross=kern.gram(x[:5], x))
+    with pytest.raises(ValueError, match="mean_out"):
+        dense(y.reshape(1, -1), mean=mean.reshape(1, -1))
