@@ -43,12 +43,14 @@ def demo(size: int, sigma: float, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     noisy = clean + (sigma / 255.0) * torch.randn(clean.shape, generator=gen)
     kern = Kernel(profile="se", lengthscale=1.5, radius=5)
-    # GP reading of λ (DESIGN §2.6): λ = σ_noise²/s² for prior amplitude s², here s = 0.25
-    lam = (sigma / 255.0) ** 2 / 0.25**2 * kern.filter().sum().item()
-    layer = conv_deq(Gaussian(), GaussianPrior(), kern.filter()[None, None], lam)
-    mean = noisy.mean().expand_as(noisy)
+    bank = kern.filter()[None, None]
     # a non-negative filter's symbol peaks at ω = 0, so ‖K‖ is at most the sum of its taps
-    ratio = kern.filter().sum().item() / lam
+    kernel_norm = bank.sum().item()
+    # GP reading of λ (DESIGN §2.6): λ = σ_noise²/s² for prior amplitude s², here s = 0.25
+    lam = (sigma / 255.0) ** 2 / 0.25**2 * kernel_norm
+    layer = conv_deq(Gaussian(), GaussianPrior(), bank, lam)
+    mean = noisy.mean().expand_as(noisy)
+    ratio = kernel_norm / lam
     print(f"image {size}×{size}, noise σ={sigma:g}/255 (seed {seed}), kernel {kern!r}")
     print(f"λ={lam:.4g}, ‖K/λ‖ ≤ {ratio:.3g} (plain iteration needs < 1)")
     print(f"noisy input: PSNR {psnr(noisy, clean):.2f} dB")

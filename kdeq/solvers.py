@@ -104,9 +104,9 @@ class _Tracker:
         self.iterations = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
         self.active = self.best_res > config.tol
 
-    def update(self, step: int, z: torch.Tensor, res: torch.Tensor) -> bool:
-        """Record iterate ``z`` (residual ``res``) for the samples still active; return True to stop."""
-        res = torch.where(self.active, res, torch.inf)
+    def update(self, step: int, z: torch.Tensor, fz: torch.Tensor) -> bool:
+        """Record iterate ``z`` with its image ``f(z)`` for the samples still active; return True to stop."""
+        res = torch.where(self.active, _rel_residual(fz, z, self.config.atol), torch.inf)
         self.iterations += self.active.to(torch.int64)
         better = res < self.best_res
         self.best = torch.where(_expand(better, z), z, self.best)
@@ -134,7 +134,7 @@ def fixed_point(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.T
         keep = _expand(track.active, z)
         z = torch.where(keep, (1.0 - beta) * z + beta * fz, z)
         fz = f(z)
-        if track.update(step, z, _rel_residual(fz, z, config.atol)):
+        if track.update(step, z, fz):
             break
     return track.result()
 
@@ -185,7 +185,7 @@ def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tens
         fz = f(z)
         slot = step % m
         xs[:, slot], fs[:, slot] = z.reshape(bsz, -1), fz.reshape(bsz, -1)
-        if track.update(step, z, _rel_residual(fz, z, config.atol)):
+        if track.update(step, z, fz):
             break
     return track.result()
 
@@ -216,7 +216,7 @@ def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[
         b = torch.where(ok, rr_new / rr.clamp(min=tiny), 0.0)
         p = r + _expand(b, p) * p
         rr = torch.where(ok, rr_new, rr)
-        if track.update(step, z, _rel_residual(z + r, z, config.atol)):
+        if track.update(step, z, z + r):
             break
     # The recursive residual drifts from the true one in finite precision: report the true one.
     best, stats = track.result()

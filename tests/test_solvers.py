@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdeq import SOLVERS, SolverConfig, solve
+from kdeq import SOLVERS, Kernel, SolverConfig, dense_spectral_norm, grid_coordinates, solve
 
 F64 = torch.float64
 METHODS = sorted(SOLVERS)
@@ -20,6 +20,13 @@ def _diagonal_affine(slopes: torch.Tensor, n: int = 50):
         return slopes[:, None] * z + c
 
     return f, c[None] / (1 - slopes[:, None])
+
+
+def _kernel_matrix(side: int, norm: float) -> torch.Tensor:
+    """A ``side²×side²`` kernel Gram matrix scaled to spectral norm ``norm``: ``f(z) = (b − z)K``
+    is then a linear Gaussian kGLM-DEQ at ``‖K/λ‖ = norm``."""
+    gram = Kernel(lengthscale=2.0, radius=5).gram(grid_coordinates(side, side))
+    return gram * norm / dense_spectral_norm(gram)
 
 
 def _rel(f, z: torch.Tensor) -> torch.Tensor:
@@ -149,10 +156,7 @@ def test_residual_floor_lets_a_zero_fixed_point_converge() -> None:
 def test_anderson_returns_its_best_iterate() -> None:
     """On a problem where Anderson does not converge, its residual is not monotone; the returned
     iterate is the best so far, so a larger cap never gives a worse answer."""
-    from kdeq import Kernel, dense_spectral_norm, grid_coordinates
-
-    gram = Kernel(lengthscale=2.0, radius=5).gram(grid_coordinates(16, 16))
-    a = gram * 100.0 / dense_spectral_norm(gram)
+    a = _kernel_matrix(16, 100.0)
     b = torch.rand(1, 256, dtype=F64)
 
     def f(z: torch.Tensor) -> torch.Tensor:
@@ -171,10 +175,7 @@ def test_anderson_returns_its_best_iterate() -> None:
 
 def test_cg_reports_the_true_residual_in_float32() -> None:
     """At ‖K/λ‖ = 300 in float32 the recursive CG residual drifts below the true one."""
-    from kdeq import Kernel, dense_spectral_norm, grid_coordinates
-
-    gram = Kernel(lengthscale=2.0, radius=5).gram(grid_coordinates(20, 20))
-    a = (gram * 300.0 / dense_spectral_norm(gram)).float()
+    a = _kernel_matrix(20, 300.0).float()
     b = torch.rand(2, 400)
 
     def f(z: torch.Tensor) -> torch.Tensor:
