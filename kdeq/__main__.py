@@ -1,3 +1,3 @@
 from kdeq.cli import main
 
-main()
+raise SystemExit(main())

@@ -1,5 +1,11 @@
 """The ``kdeq`` command line.
 
+- ``kdeq denoise|inpaint|segment IN -o OUT``: run a model from the repository on an image file
+  and print the solver statistics;
+- ``kdeq models``: list the repository;
+- ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
+- ``kdeq demo``: see below.
+
 ``kdeq demo`` denoises a generated test image with the closed-form kGLM-DEQ
 (a stationary tapered kernel, the global mean of Appendix H, ``λ`` from the
 noise level, DESIGN §2.6) using each solver, and prints PSNR and the per-sample
@@ -9,15 +15,24 @@ solver statistics. It needs no data and no checkpoint.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
+from kdeq.checkpoint import CheckpointError, ModelSpec
 from kdeq.families import Gaussian
+from kdeq.imageio import read_image, read_mask, write_png
+from kdeq.initialize import DEFAULT_SPECS, init_checkpoint
 from kdeq.kernels import Kernel
 from kdeq.kglm import conv_deq
+from kdeq.predictor import Prediction, SolverOverride
 from kdeq.priors import GaussianPrior
+from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
 from kdeq.solvers import SolverConfig
 
 
@@ -67,15 +82,124 @@ def demo(size: int, sigma: float, seed: int) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
+def _print_stats(name: str, pred: Prediction, elapsed: float) -> None:
+    s = pred.stats
+    extra = f", sigma {pred.sigma[0].item():.2f}" if pred.sigma is not None else ""
+    if pred.threshold is not None:
+        extra += f", threshold {pred.threshold[0].item():.3f}"
+    print(
+        f"{name}: iterations {s.iterations[0].item()}, residual {s.residual[0].item():.2e}, "
+        f"converged {bool(s.converged[0].item())}, lambda {pred.lam[0].item():.4g}{extra}, "
+        f"{elapsed * 1e3:.0f} ms"
+    )
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    root = Path(args.models_dir)
+    name, _, ver = (args.model or f"{args.command}-kglm").partition(":")
+    predictor = load_predictor(find_model(root, name, int(ver) if ver else None), args.device)
+    if predictor.task != args.command:
+        raise ValueError(f"model {predictor.name} is a {predictor.task} model")
+    image = read_image(args.input)
+    override = SolverOverride(tol=args.tol, max_iter=args.max_iter)
+    start = time.perf_counter()
+    if args.command == "denoise":
+        pred = predictor.predict(image, sigma=args.sigma, solver=override)
+        out = pred.output[0]
+    elif args.command == "inpaint":
+        missing = read_mask(args.mask)
+        pred = predictor.predict(image, missing, solver=override)
+        out = pred.output[0]
+    else:
+        pred = predictor.predict(image, threshold=args.threshold, solver=override)
+        out = pred.output[0] if args.output == "probability" else pred.mask[0].float()
+    elapsed = time.perf_counter() - start
+    write_png(args.out, out)
+    _print_stats(predictor.name, pred, elapsed)
+    return 0 if bool(pred.stats.converged.all()) else 3
+
+
+def _models(args: argparse.Namespace) -> int:
+    entries = list_models(Path(args.models_dir))
+    if not entries:
+        print(f"no models in {args.models_dir}")
+    for e in entries:
+        if e.config is None:
+            print(f"{e.name}:{e.version}  ERROR {e.error}")
+        else:
+            c = e.config
+            kind, init = c.architecture.kind, c.provenance.init
+            print(f"{e.name}:{e.version}  {c.task:<8} {kind:<7} {init:<6} {c.description}")
+    return 0
+
+
+def _init(args: argparse.Namespace) -> int:
+    root = Path(args.models_dir)
+    if args.defaults:
+        specs = list(DEFAULT_SPECS)
+    else:
+        try:
+            specs = [ModelSpec.model_validate(json.loads(Path(p).read_text())) for p in args.spec]
+        except (ValidationError, json.JSONDecodeError) as err:
+            raise ValueError(f"invalid spec: {err}") from None
+    for spec in specs:
+        start = time.perf_counter()
+        directory, config = init_checkpoint(spec, root)
+        elapsed = time.perf_counter() - start
+        print(f"wrote {directory} (sha256 {config.weights_sha256[:12]}…) in {elapsed * 1e3:.1f} ms")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kdeq", description="kernel-GLM deep equilibrium models")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="denoise a generated image with the closed-form kGLM-DEQ")
     p_demo.add_argument("--size", type=int, default=256)
     p_demo.add_argument("--sigma", type=float, default=25.0, help="noise level on the 0–255 scale")
     p_demo.add_argument("--seed", type=int, default=0)
+
+    models_dir = str(default_models_dir())
+    for task, what in (
+        ("denoise", "remove noise"),
+        ("inpaint", "fill missing pixels"),
+        ("segment", "binary mask"),
+    ):
+        p = sub.add_parser(task, help=f"{what} in an image file with a repository model")
+        p.add_argument("input", help="PNG, JPEG, WebP or TIFF")
+        p.add_argument("-o", "--out", required=True, help="output PNG")
+        p.add_argument("--model", help=f"NAME or NAME:VERSION (default {task}-kglm, latest version)")
+        p.add_argument("--models-dir", default=models_dir)
+        p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
+        p.add_argument("--tol", type=float, help="solver tolerance override")
+        p.add_argument("--max-iter", type=int, help="solver iteration cap override")
+        if task == "denoise":
+            p.add_argument("--sigma", type=float, help="noise level on the 0–255 scale (default: estimated)")
+        elif task == "inpaint":
+            p.add_argument("--mask", required=True, help="image of the same size, non-zero = missing")
+        else:
+            p.add_argument("--threshold", type=float, help="binarisation threshold in [0, 1] (default Otsu)")
+            p.add_argument("--output", choices=("mask", "probability"), default="mask")
+    p_models = sub.add_parser("models", help="list the model repository")
+    p_models.add_argument("--models-dir", default=models_dir)
+    p_init = sub.add_parser("init", help="write kGLM-initialised checkpoints")
+    p_init.add_argument("spec", nargs="*", help="ModelSpec JSON files")
+    p_init.add_argument("--defaults", action="store_true", help="rebuild the shipped default models")
+    p_init.add_argument("--models-dir", default=models_dir)
+
     args = parser.parse_args(argv)
     if args.command == "demo":
         if args.size < 16 or args.sigma <= 0:
             parser.error("--size must be at least 16 and --sigma positive")
         demo(args.size, args.sigma, args.seed)
+        return 0
+    if args.command == "init" and bool(args.spec) == args.defaults:
+        parser.error("give SPEC files or --defaults (not both)")
+    try:
+        if args.command == "models":
+            return _models(args)
+        if args.command == "init":
+            return _init(args)
+        return _run_model(args)
+    except (CheckpointError, LookupError, ValueError, OSError, ValidationError) as err:
+        print(f"kdeq {args.command}: error: {err}", file=sys.stderr)
+        return 2

@@ -31,3 +31,25 @@ def conv(x: torch.Tensor, bank: torch.Tensor, padding: Padding = "zeros") -> tor
     if padding == "reflect" and (ph >= x.shape[-2] or pw >= x.shape[-1]):
         raise ValueError(f"reflect padding needs the image larger than the filter radius ({ph}, {pw})")
     return F.conv2d(F.pad(x, (pw, pw, ph, ph), mode=padding), bank)
+
+
+class ScaledConv(torch.nn.Module):
+    """``x ↦ s_b · (C * x)`` for a bank ``C`` and a per-sample scale ``s`` ``(B,)`` (e.g. ``±1/λ_b``).
+
+    A bank with one input and one output channel is applied to every channel of
+    ``x`` alike (the coregionalisation ``I ⊗ k``); otherwise ``x`` has ``c_in`` channels.
+    """
+
+    def __init__(self, bank: torch.Tensor, scale: torch.Tensor, padding: Padding = "zeros") -> None:
+        super().__init__()
+        self.bank = bank
+        self.scale = scale.reshape(-1, 1, 1, 1)
+        self.padding: Padding = padding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bank.shape[:2] == (1, 1) and x.shape[1] != 1:
+            b, c, h, w = x.shape
+            y = conv(x.reshape(b * c, 1, h, w), self.bank, self.padding).reshape(b, c, h, w)
+        else:
+            y = conv(x, self.bank, self.padding)
+        return self.scale * y

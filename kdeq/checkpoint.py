@@ -1,0 +1,308 @@
+"""Checkpoints: ``<dir>/config.json`` (typed schema) and ``<dir>/weights.safetensors``.
+
+A checkpoint is a model *specification* (``ModelSpec``: task, architecture
+with the kernel hyperparameters it was initialised from, the ``λ`` rule, the
+mean function, solver defaults) plus the format version, provenance and the
+sha256 of the weights file (``ModelConfig``). The tensors a model needs follow
+from its architecture (``expected_tensors``).
+
+Loading never unpickles anything (safetensors only) and refuses, naming the
+file and the problem: malformed JSON, an unknown format version, an unknown
+architecture or task, unknown keys, a sha256 mismatch, missing or extra
+tensors, wrong shapes or dtypes, non-finite values, and kernels that are not
+symmetric positive semi-definite where the model relies on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from kdeq.adaptive import GuidedKernel
+from kdeq.conv import Padding
+from kdeq.kernels import Coregional, NotPSDError, require_psd, symbol_min_eigenvalue
+from kdeq.solvers import SolverConfig
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "weights.safetensors"
+
+Task = Literal["denoise", "inpaint", "segment"]
+FAMILY_OF_TASK: dict[str, str] = {"denoise": "gaussian", "inpaint": "gaussian", "segment": "bernoulli"}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ConvArchitecture(_Strict):
+    """Stationary kernel as convolutions (Corollary 11): tensors ``w1, w2, v1, v2`` ``(c, c, 2R+1, 2R+1)``,
+    the layer's maps being ``W1 = −w1/λ``, ``W2 = w2/λ``, ``V1 = −v1/λ``, ``V2 = v2/λ``; all equal
+    ``kernel``'s filter bank at the kGLM initialisation. ``c = 1`` applies one kernel to every image
+    channel; ``c > 1`` is a coregionalised kernel over exactly ``c`` image channels."""
+
+    kind: Literal["conv"] = "conv"
+    kernel: Coregional
+    padding: Padding = "zeros"
+
+
+class GuidedArchitecture(_Strict):
+    """Adaptive kernel on ``(position, guide patch)`` (DESIGN §2.5): tensors ``spatial`` ``(2R+1, 2R+1)``
+    (the taps of ``k_s``) and ``smoothing`` ``(L,)`` (1-D taps pre-smoothing the guide, ``L`` odd)."""
+
+    kind: Literal["guided"] = "guided"
+    kernel: GuidedKernel
+    smoothing: float = Field(0.7, ge=0)
+
+
+Architecture = Annotated[ConvArchitecture | GuidedArchitecture, Field(discriminator="kind")]
+
+
+class NoiseLambda(_Strict):
+    """``λ = max(σ, σ_min)²/s²`` with ``σ`` the noise level in [0, 1] units (DESIGN §2.6):
+    the Gaussian-process reading with prior variance ``s²`` in the kernel's units."""
+
+    rule: Literal["noise"] = "noise"
+    signal_variance: float = Field(gt=0)
+    min_sigma: float = Field(0.5, gt=0, description="floor on σ, 0–255 scale")
+
+    def __call__(self, sigma: torch.Tensor) -> torch.Tensor:
+        return sigma.clamp(min=self.min_sigma / 255.0).square() / self.signal_variance
+
+
+class FixedLambda(_Strict):
+    """A constant ``λ``."""
+
+    rule: Literal["fixed"] = "fixed"
+    value: float = Field(gt=0)
+
+    def __call__(self, sigma: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(sigma, self.value)
+
+
+LambdaRule = Annotated[NoiseLambda | FixedLambda, Field(discriminator="rule")]
+
+Mean = Literal["none", "global", "local", "normalized_convolution"]
+
+
+class ModelSpec(_Strict):
+    """What ``kdeq init`` needs to build a kGLM-initialised checkpoint.
+
+    Attributes:
+        name, version: the repository path ``models/<name>/<version>``.
+        task: ``denoise`` | ``inpaint`` | ``segment`` (fixes the family: Gaussian, Gaussian, Bernoulli).
+        architecture: ``conv`` (stationary) or ``guided`` (adaptive, denoise only).
+        lam: the ``λ`` rule (``noise`` needs a noise level: denoise only).
+        mean: Appendix H mean ``m``: ``none``; ``global`` (per-channel image mean);
+            ``local`` (the kernel's own normalised average ``D⁻¹K y``, guided only);
+            ``normalized_convolution`` (Gaussian-weighted mean of the observed pixels).
+        mean_smoothing: std (pixels) of the ``normalized_convolution`` mean.
+        presmooth: std (pixels) of the smoothing applied before segmentation's threshold.
+        solver: default solver settings.
+    """
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
+    version: int = Field(1, ge=1)
+    task: Task
+    description: str = ""
+    architecture: Architecture
+    lam: LambdaRule
+    mean: Mean = "global"
+    mean_smoothing: float = Field(2.0, gt=0)
+    presmooth: float = Field(0.0, ge=0)
+    solver: SolverConfig = SolverConfig()
+
+    @model_validator(mode="after")
+    def _compatible(self) -> ModelSpec:
+        guided = self.architecture.kind == "guided"
+        if guided and self.task != "denoise":
+            raise ValueError("the guided (adaptive) architecture is for the denoise task")
+        if self.mean == "local" and not guided:
+            raise ValueError(
+                "mean 'local' is the guided kernel's own average; use it with a guided architecture"
+            )
+        if self.lam.rule == "noise" and self.task != "denoise":
+            raise ValueError("the noise λ rule needs a noise level, which only the denoise task has")
+        if self.solver.method == "cg" and self.task == "segment":
+            raise ValueError("CG needs an affine equilibrium map; segmentation (Bernoulli) is not affine")
+        return self
+
+
+class Provenance(_Strict):
+    """Where the weights came from: ``init`` scheme, training data, epochs, metrics."""
+
+    init: Literal["kglm", "random"] = "kglm"
+    data: tuple[str, ...] = ()
+    epochs: int = Field(0, ge=0)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    notes: str = ""
+
+
+class ModelConfig(ModelSpec):
+    """The contents of ``config.json``."""
+
+    format_version: int
+    family: Literal["gaussian", "bernoulli"]
+    provenance: Provenance = Provenance()
+    weights_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @model_validator(mode="after")
+    def _family_matches(self) -> ModelConfig:
+        if self.family != FAMILY_OF_TASK[self.task]:
+            raise ValueError(
+                f"task {self.task} uses the {FAMILY_OF_TASK[self.task]} family, not {self.family}"
+            )
+        return self
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated checkpoint: its config, its float32 tensors on the CPU, and where it came from."""
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+    path: Path
+
+
+def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...] | None]:
+    """Tensor names with their shapes (``None``: a 1-D tensor of odd length) for ``spec``'s architecture."""
+    arch = spec.architecture
+    if isinstance(arch, ConvArchitecture):
+        c, k = arch.kernel.channels, 2 * arch.kernel.radius + 1
+        return {name: (c, c, k, k) for name in ("w1", "w2", "v1", "v2")}
+    k = 2 * arch.kernel.spatial.radius + 1
+    return {"spatial": (k, k), "smoothing": None}
+
+
+def _check_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    expected = expected_tensors(spec)
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise CheckpointError(
+            f"{where}: tensors do not match the architecture: missing {missing}, extra {extra}"
+        )
+    for name, shape in expected.items():
+        t = tensors[name]
+        if t.dtype != torch.float32:
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {t.dtype}, expected float32")
+        if shape is None:
+            if t.dim() != 1 or t.shape[0] % 2 == 0:
+                raise CheckpointError(
+                    f"{where}: tensor {name!r} must be 1-D of odd length, got {tuple(t.shape)}"
+                )
+        elif tuple(t.shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{where}: tensor {name!r} has non-finite values")
+    _check_kernels(spec, tensors, where)
+
+
+def _symmetric(bank: torch.Tensor) -> bool:
+    """``C[o, i, n] = C[i, o, −n]``: the convolution is a symmetric operator."""
+    mirrored = bank.flip(-1, -2).transpose(0, 1)
+    return bool(torch.allclose(bank, mirrored, rtol=1e-5, atol=1e-7 * float(bank.abs().max())))
+
+
+def _check_kernels(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: Path) -> None:
+    """Symmetric PSD kernels where the theory or the solver relies on them."""
+    if isinstance(spec.architecture, GuidedArchitecture):
+        spatial = tensors["spatial"]
+        if not torch.equal(spatial, spatial.flip(0, 1)):
+            raise CheckpointError(f"{where}: tensor 'spatial' must be point-symmetric (k_s(o) = k_s(−o))")
+        try:
+            require_psd(
+                symbol_min_eigenvalue(spatial[None, None]), float(spatial.abs().sum()), "'spatial'", 1e-6
+            )
+        except NotPSDError as err:
+            raise CheckpointError(f"{where}: {err}") from None
+        return
+    # CG's premise: I − ∂f = I + w1/λ is symmetric positive definite
+    if spec.solver.method == "cg":
+        w1 = tensors["w1"]
+        if not _symmetric(w1):
+            raise CheckpointError(
+                f"{where}: tensor 'w1' is not a symmetric kernel, which the CG solver needs"
+            )
+        try:
+            require_psd(symbol_min_eigenvalue(w1), float(w1.abs().sum()), "'w1'", 1e-6)
+        except NotPSDError as err:
+            raise CheckpointError(f"{where}: {err}") from None
+
+
+def save_checkpoint(
+    directory: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor], provenance: Provenance | None = None
+) -> ModelConfig:
+    """Write ``weights.safetensors`` then ``config.json`` (with the weights' sha256) into ``directory``.
+
+    The bytes depend only on the arguments, so rebuilding a checkpoint reproduces it exactly.
+    """
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sorted(tensors.items())}
+    _check_tensors(spec, tensors, directory)
+    blob = save_safetensors(tensors)
+    config = ModelConfig(
+        **spec.model_dump(),
+        format_version=FORMAT_VERSION,
+        family=FAMILY_OF_TASK[spec.task],
+        provenance=provenance or Provenance(),
+        weights_sha256=hashlib.sha256(blob).hexdigest(),
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / WEIGHTS_FILE).write_bytes(blob)
+    (directory / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n")
+    return config
+
+
+def read_config(directory: Path) -> ModelConfig:
+    """Parse and validate ``directory/config.json``; raises ``CheckpointError``."""
+    path = directory / CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: unknown format version {version!r} (this kdeq reads {FORMAT_VERSION})"
+        )
+    try:
+        return ModelConfig.model_validate(raw)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in err.errors())
+        raise CheckpointError(f"{path}: {problems}") from None
+
+
+def load_checkpoint(directory: str | Path) -> Checkpoint:
+    """Read and validate a checkpoint directory; raises ``CheckpointError`` naming the file and problem."""
+    directory = Path(directory)
+    config = read_config(directory)
+    path = directory / WEIGHTS_FILE
+    try:
+        blob = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != config.weights_sha256:
+        raise CheckpointError(f"{path}: sha256 {digest} does not match config.json's {config.weights_sha256}")
+    try:
+        tensors = load_safetensors(blob)
+    except (SafetensorError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
+    _check_tensors(config, tensors, path)
+    return Checkpoint(config, tensors, directory)

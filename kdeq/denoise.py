@@ -1,0 +1,100 @@
+"""The denoiser: kernel ridge regression on the noisy image as a Gaussian kGLM-DEQ.
+
+For observations ``y`` with noise level ``σ`` the equilibrium is
+
+    z = (K/λ)(y − z) + m,      λ = λ(σ)  (DESIGN §2.6),
+
+i.e. ``z = m + K(K + λI)⁻¹(y − m)``, the posterior mean of a Gaussian process
+with prior ``N(m, K/s²·…)``. Two kernels:
+
+- ``conv``: a stationary tapered kernel as convolutions (Corollary 11), with
+  the image's global mean;
+- ``guided``: the adaptive kernel of ``kdeq.adaptive`` on (position, patch of
+  the pre-smoothed image), computed per image, symmetrically normalised, with
+  the kernel's own local average ``D⁻¹K y`` as the mean (Appendix H).
+
+``σ`` is given per call (0–255 scale) or estimated per image (``kdeq.noise``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kdeq.adaptive import GuidedMap, apply_weights, guided_weights, normalize_weights
+from kdeq.checkpoint import GuidedArchitecture, NoiseLambda
+from kdeq.deq import KGLMDEQ
+from kdeq.families import Gaussian
+from kdeq.filters import separable_blur
+from kdeq.noise import estimate_sigma
+from kdeq.predictor import Prediction, Predictor, SolverOverride
+from kdeq.priors import GaussianPrior
+
+
+class Denoiser(Predictor):
+    """Gaussian-family denoiser; see the module docstring."""
+
+    task = "denoise"
+
+    def noise_level(
+        self, x: torch.Tensor, sigma: float | Sequence[float] | torch.Tensor | None
+    ) -> torch.Tensor:
+        """``σ`` per sample in [0, 1] units ``(B,)``: from ``sigma`` (0–255 scale) or estimated."""
+        if sigma is None:
+            return estimate_sigma(x)
+        s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1)
+        if s.numel() == 1:
+            s = s.expand(x.shape[0])
+        if s.numel() != x.shape[0]:
+            raise ValueError(f"got {s.numel()} noise levels for {x.shape[0]} images")
+        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()) or bool((s > 255).any()):
+            raise ValueError("sigma must be a finite noise level in [0, 255]")
+        return s / 255.0
+
+    def predict(
+        self,
+        images: torch.Tensor,
+        sigma: float | Sequence[float] | torch.Tensor | None = None,
+        solver: SolverOverride | None = None,
+    ) -> Prediction:
+        """Denoise ``images`` ``(B, c, H, W)``; ``sigma`` on the 0–255 scale, scalar or ``(B,)``."""
+        with torch.inference_mode():
+            x = self.images(images)
+            s = self.noise_level(x, sigma)
+            rule = self.config.lam
+            lam = rule(s)
+            cfg = self.solver(solver)
+            if isinstance(self.config.architecture, GuidedArchitecture):
+                floor = rule.min_sigma / 255.0 if isinstance(rule, NoiseLambda) else 0.0
+                layer, mean = self._guided(x, s.clamp(min=floor), lam)
+            else:
+                layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x)
+            out = layer(x, mean=mean, mean_out=mean, solver=cfg)
+            return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
+
+    def _guided(self, x: torch.Tensor, s: torch.Tensor, lam: torch.Tensor) -> tuple[KGLMDEQ, torch.Tensor]:
+        arch = self.config.architecture
+        kern = arch.kernel
+        taps = self.tensors["smoothing"]
+        guide = separable_blur(x, taps)
+        # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
+        h2 = kern.h2(x.shape[1], s * taps.square().sum())
+        w0 = guided_weights(guide, self.tensors["spatial"], kern.patch_radius, h2)
+        if self.config.mean == "local":
+            mean = apply_weights(w0, x) / apply_weights(w0, torch.ones_like(x[:, :1]))
+        else:
+            mean = self.mean(x)
+        w = normalize_weights(w0) if kern.normalize else w0
+        inv = 1.0 / lam
+        layer = KGLMDEQ(
+            Gaussian(),
+            GaussianPrior(),
+            GuidedMap(w, -inv),
+            GuidedMap(w, inv),
+            None,
+            GuidedMap(w, -inv),
+            GuidedMap(w, inv),
+            self.config.solver,
+        )
+        return layer, mean

@@ -1,0 +1,49 @@
+"""Separable Gaussian smoothing and normalised convolution, used for guides and mean functions.
+
+The 1-D taps are stored in checkpoints (so a fine-tuned model may change
+them); borders are mirrored so an image's edge is not darkened.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def gaussian_taps(std: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Normalised taps ``g[t] ∝ exp(−t²/2s²)``, ``t = −⌈3s⌉..⌈3s⌉``: ``(2⌈3s⌉+1,)``; ``[1]`` for ``s = 0``."""
+    if std < 0:
+        raise ValueError(f"smoothing std must be ≥ 0, got {std}")
+    if std == 0:
+        return torch.ones(1, dtype=dtype)
+    r = max(1, math.ceil(3 * std))
+    t = torch.arange(-r, r + 1, dtype=torch.float64)
+    g = torch.exp(-t * t / (2 * std * std))
+    return (g / g.sum()).to(dtype)
+
+
+def separable_blur(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, c, H, W)`` convolved with ``taps ⊗ taps`` per channel, mirrored borders."""
+    r = taps.shape[0] // 2
+    if r == 0:
+        return x * taps[0]
+    c = x.shape[1]
+    mode = "reflect" if min(x.shape[-2:]) > r else "replicate"
+    y = F.pad(x, (r, r, r, r), mode=mode)
+    y = F.conv2d(y, taps.reshape(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
+    return F.conv2d(y, taps.reshape(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
+
+
+def normalized_convolution(y: torch.Tensor, observed: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """``G*(M⊙y) / G*M``: the Gaussian-weighted mean of the observed pixels around each pixel.
+
+    ``y`` ``(B, c, H, W)``, ``observed`` ``(B, 1, H, W)`` in {0, 1}. Where no observed
+    pixel is within reach the image's observed mean is used.
+    """
+    num = separable_blur(y * observed, taps)
+    den = separable_blur(observed, taps)
+    glob = (y * observed).sum(dim=(2, 3), keepdim=True) / observed.sum(dim=(2, 3), keepdim=True).clamp(min=1)
+    tiny = 1e-6
+    return torch.where(den > tiny, num / den.clamp(min=tiny), glob.expand_as(num))

@@ -1,0 +1,50 @@
+"""The inpainter: a Gaussian kGLM-DEQ whose kernel is restricted to the observed pixels (DESIGN §2.4).
+
+With ``M`` the diagonal of observed pixels (``missing == 0``) the equilibrium is
+
+    z = M K M (y − z)/λ + m,
+
+so on the observed set ``z_O = m_O + K_OO(K_OO + λI)⁻¹(y_O − m_O)`` and the
+readout at every pixel is ``η̃ = m + K M (y − z)/λ`` — at a missing pixel
+``m + K_{·O}(K_OO + λI)⁻¹(y_O − m_O)``, the kernel-ridge prediction. Known
+pixels are returned unchanged. The mask is per pixel (shared by the channels).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdeq.families import Gaussian
+from kdeq.predictor import Prediction, Predictor, SolverOverride
+
+
+class Inpainter(Predictor):
+    """Fill the missing pixels of a batch; see the module docstring."""
+
+    task = "inpaint"
+
+    def predict(
+        self, images: torch.Tensor, missing: torch.Tensor, solver: SolverOverride | None = None
+    ) -> Prediction:
+        """``images`` ``(B, c, H, W)``; ``missing`` ``(B, 1, H, W)`` or ``(B, H, W)``, non-zero = missing.
+
+        Values of ``images`` at missing pixels are ignored.
+        """
+        with torch.inference_mode():
+            x = self.images(images)
+            miss = torch.as_tensor(missing, device=self.device)
+            if miss.dim() == 3:
+                miss = miss[:, None]
+            if miss.shape != (x.shape[0], 1, *x.shape[-2:]):
+                raise ValueError(f"mask shape {tuple(miss.shape)} does not match the images {tuple(x.shape)}")
+            observed = (miss == 0).to(torch.float32)
+            empty = observed.sum(dim=(1, 2, 3)) == 0
+            if bool(empty.any()):
+                raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no observed pixels")
+            y = x * observed
+            lam = self.config.lam(torch.zeros(x.shape[0], device=self.device))
+            mean = self.mean(y, observed)
+            out = self.conv_layer(Gaussian(), lam)(
+                y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
+            )
+            return Prediction(torch.where(observed > 0, x, out.eta), out.stats, lam)

@@ -1,0 +1,142 @@
+"""The predictor interface shared by the task models (denoise, inpaint, segment).
+
+A predictor is built from a validated checkpoint on a device and maps a batch
+of same-size images ``(B, c, H, W)`` (float, nominally in [0, 1]) to a
+``Prediction``: outputs plus per-sample solver statistics. Predictions run
+under ``torch.inference_mode()``; a per-call ``SolverOverride`` changes the
+tolerance or the iteration cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from kdeq.checkpoint import Checkpoint, ConvArchitecture, ModelConfig
+from kdeq.conv import ScaledConv
+from kdeq.deq import KGLMDEQ
+from kdeq.families import Family
+from kdeq.filters import gaussian_taps, normalized_convolution
+from kdeq.priors import GaussianPrior
+from kdeq.solvers import SolverConfig, SolverStats
+
+
+class SolverOverride(BaseModel):
+    """Per-call changes to a model's solver defaults; unknown keys are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tol: float | None = Field(None, gt=0)
+    max_iter: int | None = Field(None, ge=1, le=10_000)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A batch's results.
+
+    Attributes:
+        output: ``(B, c, H, W)`` float32 — the restored image (denoise, inpaint) or the
+            foreground probability ``(B, 1, H, W)`` (segment).
+        stats: per-sample solver statistics, each ``(B,)``.
+        lam: ``λ`` used per sample ``(B,)``.
+        sigma: noise level used per sample on the 0–255 scale ``(B,)`` (denoise), else ``None``.
+        mask: foreground ``(B, 1, H, W)`` bool (segment), else ``None``.
+        threshold: binarisation threshold per sample ``(B,)`` (segment), else ``None``.
+    """
+
+    output: torch.Tensor
+    stats: SolverStats
+    lam: torch.Tensor
+    sigma: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    threshold: torch.Tensor | None = None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``; raises ``ValueError`` for others
+    or for a CUDA device this machine does not have."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (dev.index or 0) >= count:
+        raise ValueError(f"device {device!r} is not available (this machine has {count} CUDA devices)")
+    return dev
+
+
+class Predictor:
+    """Base of the task models; subclasses set ``task`` and implement ``predict``."""
+
+    task: ClassVar[str]
+
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
+        if checkpoint.config.task != self.task:
+            raise ValueError(f"{checkpoint.path}: a {checkpoint.config.task} model, not {self.task}")
+        self.config: ModelConfig = checkpoint.config
+        self.device = resolve_device(device)
+        self.tensors = {k: v.to(self.device) for k, v in checkpoint.tensors.items()}
+        self.mean_taps = gaussian_taps(self.config.mean_smoothing).to(self.device)
+
+    @property
+    def name(self) -> str:
+        return f"{self.config.name}:{self.config.version}"
+
+    def solver(self, override: SolverOverride | None) -> SolverConfig:
+        """The model's solver defaults with ``override``'s set fields applied."""
+        if override is None:
+            return self.config.solver
+        return self.config.solver.model_copy(update=override.model_dump(exclude_none=True))
+
+    def images(self, images: torch.Tensor) -> torch.Tensor:
+        """Validate a batch ``(B, c, H, W)`` and move it to the device as float32."""
+        if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[0] == 0:
+            raise ValueError("images must be a non-empty (B, c, H, W) tensor")
+        if images.shape[-1] < 2 or images.shape[-2] < 2:
+            raise ValueError(f"images must be at least 2×2 pixels, got {tuple(images.shape[-2:])}")
+        arch = self.config.architecture
+        c = images.shape[1]
+        if isinstance(arch, ConvArchitecture) and arch.kernel.channels not in (1, c):
+            raise ValueError(f"{self.name} takes {arch.kernel.channels}-channel images, got {c}")
+        x = images.to(self.device, torch.float32)
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("images contain non-finite values")
+        return x
+
+    def mean(self, y: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The Appendix H mean ``m`` ``(B, c, H, W)`` of kind ``none``, ``global`` (per-channel mean of
+        the observed pixels) or ``normalized_convolution``; ``observed`` ``(B, 1, H, W)``, default all."""
+        kind = self.config.mean
+        if kind == "none":
+            return None
+        obs = torch.ones_like(y[:, :1]) if observed is None else observed
+        if kind == "global":
+            total = (y * obs).sum(dim=(2, 3), keepdim=True)
+            return (total / obs.sum(dim=(2, 3), keepdim=True).clamp(min=1)).expand_as(y)
+        if kind == "normalized_convolution":
+            return normalized_convolution(y, obs, self.mean_taps)
+        raise ValueError(f"mean {kind!r} is not defined for {self.name}")
+
+    def conv_layer(self, family: Family, lam: torch.Tensor) -> KGLMDEQ:
+        """The convolutional kGLM-DEQ from the checkpoint's banks with per-sample ``λ`` ``(B,)``."""
+        pad = self.config.architecture.padding
+        t, inv = self.tensors, 1.0 / lam
+        return KGLMDEQ(
+            family,
+            GaussianPrior(),
+            ScaledConv(t["w1"], -inv, pad),
+            ScaledConv(t["w2"], inv, pad),
+            None,
+            ScaledConv(t["v1"], -inv, pad),
+            ScaledConv(t["v2"], inv, pad),
+            self.config.solver,
+        )

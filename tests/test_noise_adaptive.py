@@ -1,0 +1,68 @@
+"""Noise estimation and the adaptive kernel against independent computations."""
+
+import pytest
+import torch
+
+from kdeq.adaptive import (
+    GuidedKernel,
+    apply_weights,
+    guided_gram,
+    guided_weights,
+    half_offsets,
+    normalize_weights,
+)
+from kdeq.cli import test_image as piecewise_image
+from kdeq.kernels import Kernel
+from kdeq.noise import estimate_sigma
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("sigma", [5.0, 15.0, 50.0])
+def test_noise_estimate_within_five_percent_on_a_piecewise_smooth_image(sigma: float) -> None:
+    clean = piecewise_image(256).expand(2, 3, 256, 256)
+    gen = torch.Generator().manual_seed(1)
+    noisy = clean + sigma / 255 * torch.randn(clean.shape, generator=gen)
+    est = estimate_sigma(noisy) * 255
+    assert torch.allclose(est, torch.full_like(est, sigma), rtol=0.05), est
+
+
+def test_noise_estimate_of_a_clean_image_is_small() -> None:
+    assert estimate_sigma(piecewise_image(128)).item() * 255 < 1.0
+
+
+def test_half_offsets_cover_every_offset_once_with_its_mirror() -> None:
+    half = half_offsets(3)
+    full = set(half) | {(-a, -b) for a, b in half}
+    assert len(half) == (7 * 7 + 1) // 2 and len(full) == 49
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("patch", [0, 1, 2])
+def test_guided_operator_equals_dense_gram_from_explicit_features(normalize: bool, patch: int) -> None:
+    spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
+    guide = torch.rand(2, 3, 9, 11, dtype=F64)
+    h2 = torch.tensor([0.3, 1.5], dtype=F64)
+    w = guided_weights(guide, spatial, patch, h2)
+    if normalize:
+        w = normalize_weights(w)
+    x = torch.randn(2, 3, 9, 11, dtype=F64)
+    y = apply_weights(w, x)
+    for b in range(2):
+        gram = guided_gram(guide[b], spatial, patch, h2[b].item(), normalize)
+        expected = (gram @ x[b].reshape(3, -1).T).T.reshape(3, 9, 11)
+        torch.testing.assert_close(y[b], expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gram, gram.T, rtol=0, atol=1e-15)
+        assert torch.linalg.eigvalsh(gram).min() > -1e-12
+
+
+def test_normalized_kernel_has_spectral_radius_one() -> None:
+    """``D^{-1/2} K D^{-1/2}`` is similar to the row-stochastic ``D⁻¹K``: its top eigenvalue is 1."""
+    spatial = Kernel(lengthscale=2.0, radius=2).filter(F64)
+    gram = guided_gram(torch.rand(1, 8, 8, dtype=F64), spatial, 1, 0.5, normalize=True)
+    assert torch.linalg.eigvalsh(gram).max().item() == pytest.approx(1.0, abs=1e-10)
+
+
+def test_guided_kernel_config_rejects_unknown_keys() -> None:
+    with pytest.raises(ValueError, match="Extra inputs"):
+        GuidedKernel(bandwith=1.0)
