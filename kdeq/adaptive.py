@@ -121,11 +121,12 @@ def apply_weights(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out + back[..., r : r + height, r : r + width]
 
 
-def normalize_weights(weights: torch.Tensor) -> torch.Tensor:
-    """Weights of ``D^{-1/2} K D^{-1/2}`` with ``d = K1``; same shape ``(B, O, H, W)``."""
+def normalize_weights(weights: torch.Tensor, degree: torch.Tensor | None = None) -> torch.Tensor:
+    """Weights of ``D^{-1/2} K D^{-1/2}`` with ``d = K1`` (pass ``degree`` ``(B, 1, H, W)`` if
+    already computed); same shape ``(B, O, H, W)``."""
     r = math.isqrt(2 * weights.shape[1] - 1) // 2
     height, width = weights.shape[-2:]
-    d = apply_weights(weights, torch.ones_like(weights[:, :1]))
+    d = apply_weights(weights, torch.ones_like(weights[:, :1])) if degree is None else degree
     s = d.clamp(min=torch.finfo(d.dtype).tiny).rsqrt()
     sp = F.pad(s, (r, r, r, r))
     scaled = torch.empty_like(weights)

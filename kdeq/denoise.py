@@ -81,11 +81,9 @@ class Denoiser(Predictor):
         # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
         h2 = kern.h2(x.shape[1], s * taps.square().sum())
         w0 = guided_weights(guide, self.tensors["spatial"], kern.patch_radius, h2)
-        if self.config.mean == "local":
-            mean = apply_weights(w0, x) / apply_weights(w0, torch.ones_like(x[:, :1]))
-        else:
-            mean = self.mean(x)
-        w = normalize_weights(w0) if kern.normalize else w0
+        degree = apply_weights(w0, torch.ones_like(x[:, :1]))
+        mean = apply_weights(w0, x) / degree if self.config.mean == "local" else self.mean(x)
+        w = normalize_weights(w0, degree) if kern.normalize else w0
         inv = 1.0 / lam
         layer = KGLMDEQ(
             Gaussian(),
