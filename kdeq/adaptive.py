@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from kdeq.filters import mirror_pad
 from kdeq.kernels import Kernel
 
 
@@ -68,11 +69,9 @@ def _box_sum(x: torch.Tensor, p: int) -> torch.Tensor:
     return F.avg_pool2d(x, 2 * p + 1, stride=1) * (2 * p + 1) ** 2
 
 
-def _mirror(guide: torch.Tensor, p: int) -> torch.Tensor:
-    if p == 0:
-        return guide
-    mode = "reflect" if min(guide.shape[-2:]) > p else "replicate"
-    return F.pad(guide, (p, p, p, p), mode=mode)
+def _radius(weights: torch.Tensor) -> int:
+    """``R`` from the number of weight maps ``O = ((2R+1)² + 1)/2``."""
+    return math.isqrt(2 * weights.shape[1] - 1) // 2
 
 
 def guided_weights(
@@ -85,7 +84,7 @@ def guided_weights(
     """
     bsz, _, height, width = guide.shape
     r, p = spatial.shape[0] // 2, patch_radius
-    padded = _mirror(guide, p)
+    padded = mirror_pad(guide, p)
     shifted_src = F.pad(padded, (r, r, r, r))
     offsets = half_offsets(r)
     taps = [spatial[r + a, r + b] for a, b in offsets]
@@ -110,7 +109,7 @@ def apply_weights(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     Each stored ``w_o(x)`` serves both ``k(x, x+o)`` and ``k(x+o, x)``, so ``K`` is symmetric.
     """
     height, width = x.shape[-2:]
-    r = math.isqrt(2 * weights.shape[1] - 1) // 2
+    r = _radius(weights)
     xp = F.pad(x, (r, r, r, r))
     out = weights[:, :1] * x
     back = torch.zeros_like(xp)
@@ -124,7 +123,7 @@ def apply_weights(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def normalize_weights(weights: torch.Tensor, degree: torch.Tensor | None = None) -> torch.Tensor:
     """Weights of ``D^{-1/2} K D^{-1/2}`` with ``d = K1`` (pass ``degree`` ``(B, 1, H, W)`` if
     already computed); same shape ``(B, O, H, W)``."""
-    r = math.isqrt(2 * weights.shape[1] - 1) // 2
+    r = _radius(weights)
     height, width = weights.shape[-2:]
     d = apply_weights(weights, torch.ones_like(weights[:, :1])) if degree is None else degree
     s = d.clamp(min=torch.finfo(d.dtype).tiny).rsqrt()
@@ -144,7 +143,7 @@ def guided_gram(
     and positions (an independent check of the weight maps)."""
     _, height, width = guide.shape
     p, r = patch_radius, spatial.shape[0] // 2
-    feats = F.unfold(_mirror(guide[None], p), 2 * p + 1)[0].T  # (HW, c(2p+1)²)
+    feats = F.unfold(mirror_pad(guide[None], p), 2 * p + 1)[0].T  # (HW, c(2p+1)²)
     rows, cols = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
     pos = torch.stack([rows.reshape(-1), cols.reshape(-1)], dim=-1)
     delta = pos[:, None, :] - pos[None, :, :]

@@ -29,7 +29,7 @@ from safetensors.torch import save as save_safetensors
 
 from kdeq.adaptive import GuidedKernel
 from kdeq.conv import Padding
-from kdeq.kernels import Coregional, NotPSDError, require_psd, symbol_min_eigenvalue
+from kdeq.kernels import Coregional, NotPSDError, require_psd_filter
 from kdeq.solvers import SolverConfig
 
 FORMAT_VERSION = 1
@@ -222,12 +222,7 @@ def _check_kernels(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: Pat
         spatial = tensors["spatial"]
         if not torch.equal(spatial, spatial.flip(0, 1)):
             raise CheckpointError(f"{where}: tensor 'spatial' must be point-symmetric (k_s(o) = k_s(−o))")
-        try:
-            require_psd(
-                symbol_min_eigenvalue(spatial[None, None]), float(spatial.abs().sum()), "'spatial'", 1e-6
-            )
-        except NotPSDError as err:
-            raise CheckpointError(f"{where}: {err}") from None
+        _require_psd(spatial, "'spatial'", where)
         return
     # CG's premise: I − ∂f = I + w1/λ is symmetric positive definite
     if spec.solver.method == "cg":
@@ -236,10 +231,14 @@ def _check_kernels(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: Pat
             raise CheckpointError(
                 f"{where}: tensor 'w1' is not a symmetric kernel, which the CG solver needs"
             )
-        try:
-            require_psd(symbol_min_eigenvalue(w1), float(w1.abs().sum()), "'w1'", 1e-6)
-        except NotPSDError as err:
-            raise CheckpointError(f"{where}: {err}") from None
+        _require_psd(w1, "'w1'", where)
+
+
+def _require_psd(bank: torch.Tensor, what: str, where: Path) -> None:
+    try:
+        require_psd_filter(bank, what, 1e-6)
+    except NotPSDError as err:
+        raise CheckpointError(f"{where}: {err}") from None
 
 
 def save_checkpoint(

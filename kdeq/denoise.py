@@ -29,7 +29,6 @@ from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
 from kdeq.noise import estimate_sigma
 from kdeq.predictor import Prediction, Predictor, SolverOverride
-from kdeq.priors import GaussianPrior
 
 
 class Denoiser(Predictor):
@@ -84,15 +83,4 @@ class Denoiser(Predictor):
         degree = apply_weights(w0, torch.ones_like(x[:, :1]))
         mean = apply_weights(w0, x) / degree if self.config.mean == "local" else self.mean(x)
         w = normalize_weights(w0, degree) if kern.normalize else w0
-        inv = 1.0 / lam
-        layer = KGLMDEQ(
-            Gaussian(),
-            GaussianPrior(),
-            GuidedMap(w, -inv),
-            GuidedMap(w, inv),
-            None,
-            GuidedMap(w, -inv),
-            GuidedMap(w, inv),
-            self.config.solver,
-        )
-        return layer, mean
+        return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(w, s)), mean

@@ -24,14 +24,28 @@ def gaussian_taps(std: float, dtype: torch.dtype = torch.float32) -> torch.Tenso
     return (g / g.sum()).to(dtype)
 
 
+def mirror_pad(x: torch.Tensor, r: int) -> torch.Tensor:
+    """``x`` ``(B, c, H, W)`` padded by ``r`` on every side, mirrored (edge-repeated for images
+    no larger than ``r``, where a mirror does not fit)."""
+    if r == 0:
+        return x
+    mode = "reflect" if min(x.shape[-2:]) > r else "replicate"
+    return F.pad(x, (r, r, r, r), mode=mode)
+
+
+def observed_mean(y: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
+    """Per-channel mean of the observed pixels, ``(B, c, 1, 1)``, for ``observed`` ``(B, 1, H, W)``."""
+    total = (y * observed).sum(dim=(2, 3), keepdim=True)
+    return total / observed.sum(dim=(2, 3), keepdim=True).clamp(min=1)
+
+
 def separable_blur(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     """``x`` ``(B, c, H, W)`` convolved with ``taps ⊗ taps`` per channel, mirrored borders."""
     r = taps.shape[0] // 2
     if r == 0:
         return x * taps[0]
     c = x.shape[1]
-    mode = "reflect" if min(x.shape[-2:]) > r else "replicate"
-    y = F.pad(x, (r, r, r, r), mode=mode)
+    y = mirror_pad(x, r)
     y = F.conv2d(y, taps.reshape(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
     return F.conv2d(y, taps.reshape(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
 
@@ -44,6 +58,5 @@ def normalized_convolution(y: torch.Tensor, observed: torch.Tensor, taps: torch.
     """
     num = separable_blur(y * observed, taps)
     den = separable_blur(observed, taps)
-    glob = (y * observed).sum(dim=(2, 3), keepdim=True) / observed.sum(dim=(2, 3), keepdim=True).clamp(min=1)
     tiny = 1e-6
-    return torch.where(den > tiny, num / den.clamp(min=tiny), glob.expand_as(num))
+    return torch.where(den > tiny, num / den.clamp(min=tiny), observed_mean(y, observed).expand_as(num))

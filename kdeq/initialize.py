@@ -28,7 +28,7 @@ from kdeq.checkpoint import (
     save_checkpoint,
 )
 from kdeq.filters import gaussian_taps
-from kdeq.kernels import Coregional, Kernel, require_psd, symbol_min_eigenvalue
+from kdeq.kernels import Coregional, Kernel, require_psd_filter
 from kdeq.solvers import SolverConfig
 
 KGLM_PROVENANCE = Provenance(
@@ -41,11 +41,11 @@ def init_tensors(spec: ModelSpec) -> dict[str, torch.Tensor]:
     arch = spec.architecture
     if isinstance(arch, ConvArchitecture):
         bank = arch.kernel.filter_bank(torch.float64)
-        require_psd(symbol_min_eigenvalue(bank), float(bank.abs().sum()), "the kernel's filter bank", 1e-9)
+        require_psd_filter(bank, "the kernel's filter bank", 1e-9)
         bank = bank.to(torch.float32)
         return {name: bank.clone() for name in ("w1", "w2", "v1", "v2")}
     spatial = arch.kernel.spatial.filter(torch.float64)
-    require_psd(symbol_min_eigenvalue(spatial[None, None]), float(spatial.sum()), "the spatial kernel", 1e-9)
+    require_psd_filter(spatial, "the spatial kernel", 1e-9)
     return {
         "spatial": spatial.to(torch.float32),
         "smoothing": gaussian_taps(arch.smoothing, torch.float64).float(),

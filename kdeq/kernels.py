@@ -209,3 +209,10 @@ def require_psd(min_eig: float, scale: float, what: str, rtol: float = 1e-10) ->
     """Raise ``NotPSDError`` when ``min_eig < −rtol·scale`` (``scale``: e.g. the largest eigenvalue)."""
     if min_eig < -rtol * scale:
         raise NotPSDError(f"{what} is not positive semi-definite: smallest eigenvalue {min_eig:.3g}")
+
+
+def require_psd_filter(bank: torch.Tensor, what: str, rtol: float = 1e-10) -> None:
+    """``require_psd`` for a convolution: a bank ``(c, c, k, k)`` or one filter ``(k, k)``, judged by
+    its symbol's smallest eigenvalue against ``Σ|C|`` (a bound on the symbol's magnitude)."""
+    bank = bank if bank.dim() == 4 else bank[None, None]
+    require_psd(symbol_min_eigenvalue(bank), float(bank.abs().sum()), what, rtol)

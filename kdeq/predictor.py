@@ -9,17 +9,19 @@ tolerance or the iteration cap.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
 
 from kdeq.checkpoint import Checkpoint, ConvArchitecture, ModelConfig
 from kdeq.conv import ScaledConv
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Family
-from kdeq.filters import gaussian_taps, normalized_convolution
+from kdeq.filters import gaussian_taps, normalized_convolution, observed_mean
 from kdeq.priors import GaussianPrior
 from kdeq.solvers import SolverConfig, SolverStats
 
@@ -120,23 +122,29 @@ class Predictor:
             return None
         obs = torch.ones_like(y[:, :1]) if observed is None else observed
         if kind == "global":
-            total = (y * obs).sum(dim=(2, 3), keepdim=True)
-            return (total / obs.sum(dim=(2, 3), keepdim=True).clamp(min=1)).expand_as(y)
+            return observed_mean(y, obs).expand_as(y)
         if kind == "normalized_convolution":
             return normalized_convolution(y, obs, self.mean_taps)
         raise ValueError(f"mean {kind!r} is not defined for {self.name}")
 
-    def conv_layer(self, family: Family, lam: torch.Tensor) -> KGLMDEQ:
-        """The convolutional kGLM-DEQ from the checkpoint's banks with per-sample ``λ`` ``(B,)``."""
-        pad = self.config.architecture.padding
-        t, inv = self.tensors, 1.0 / lam
+    def kglm_layer(
+        self, family: Family, lam: torch.Tensor, kernel_map: Callable[[str, torch.Tensor], nn.Module]
+    ) -> KGLMDEQ:
+        """The kGLM-DEQ ``W1 = −K₁/λ, W2 = K₂/λ, V1 = −K₃/λ, V2 = K₄/λ`` (flat prior) with per-sample
+        ``λ`` ``(B,)``; ``kernel_map(name, s)`` is ``x ↦ s·K x`` for ``name`` in ``w1, w2, v1, v2``."""
+        inv = 1.0 / lam
         return KGLMDEQ(
             family,
             GaussianPrior(),
-            ScaledConv(t["w1"], -inv, pad),
-            ScaledConv(t["w2"], inv, pad),
+            kernel_map("w1", -inv),
+            kernel_map("w2", inv),
             None,
-            ScaledConv(t["v1"], -inv, pad),
-            ScaledConv(t["v2"], inv, pad),
+            kernel_map("v1", -inv),
+            kernel_map("v2", inv),
             self.config.solver,
         )
+
+    def conv_layer(self, family: Family, lam: torch.Tensor) -> KGLMDEQ:
+        """``kglm_layer`` with the checkpoint's convolution banks ``w1, w2, v1, v2``."""
+        pad = self.config.architecture.padding
+        return self.kglm_layer(family, lam, lambda name, s: ScaledConv(self.tensors[name], s, pad))

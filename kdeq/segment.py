@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kdeq.checkpoint import Checkpoint
 from kdeq.families import Bernoulli
 from kdeq.filters import gaussian_taps, separable_blur
 from kdeq.predictor import Prediction, Predictor, SolverOverride
@@ -47,8 +48,8 @@ class Segmenter(Predictor):
 
     task = "segment"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
+        super().__init__(checkpoint, device)
         self.presmooth_taps = gaussian_taps(self.config.presmooth).to(self.device)
 
     def predict(
