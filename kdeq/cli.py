@@ -4,7 +4,9 @@
   and print the solver statistics;
 - ``kdeq models``: list the repository;
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
-- ``kdeq demo``: see below.
+- ``kdeq demo``: see below;
+- commands of other installed packages, registered under the ``kdeq.commands`` entry-point
+  group (``kdeq serve`` comes from the ``service`` package, which ``kdeq`` never imports).
 
 ``kdeq demo`` denoises a generated test image with the closed-form kGLM-DEQ
 (a stationary tapered kernel, the global mean of Appendix H, ``λ`` from the
@@ -19,6 +21,7 @@ import json
 import math
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import torch
@@ -186,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument("--defaults", action="store_true", help="rebuild the shipped default models")
     p_init.add_argument("--models-dir", default=models_dir)
 
+    for plugin in entry_points(group="kdeq.commands"):
+        plugin.load()(sub)
+
     args = parser.parse_args(argv)
+    if hasattr(args, "handler"):
+        return args.handler(args)
     if args.command == "demo":
         if args.size < 16 or args.sigma <= 0:
             parser.error("--size must be at least 16 and --sigma positive")

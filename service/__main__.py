@@ -1,0 +1,5 @@
+"""``python -m service``: the same as ``kdeq serve``."""
+
+from service.server import main
+
+raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""The FastAPI application: ``create_app(settings)`` wires the service, its middlewares and routes.
+
+The lifespan starts the background model load (``Service.start``) and, at
+shutdown, finishes the queued requests before the workers end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from service import __version__
+from service.errors import install_error_handlers
+from service.middleware import ApiKey, BodyLimit, RequestMetrics
+from service.routes import router
+from service.settings import Settings
+from service.state import Service
+
+DESCRIPTION = """Kernel-GLM deep equilibrium models for images. Every inference request runs a
+fixed-point solve whose iterations, relative residual and convergence are returned in the
+`X-KDEQ-*` headers and exported at `/metrics`. Errors are JSON `{"error", "detail"}`."""
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """The application for ``settings``; its ``Service`` is ``app.state.service``."""
+    service = Service(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        yield
+        service.stop()
+
+    app = FastAPI(title="kdeq", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.service = service
+    install_error_handlers(app)
+    app.include_router(router)
+    # added innermost first: metrics see every response, including the key and size refusals
+    app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes, metrics=service.metrics)
+    key = settings.api_key.get_secret_value() if settings.api_key is not None else None
+    app.add_middleware(ApiKey, key=key)
+    app.add_middleware(RequestMetrics, metrics=service.metrics)
+    return app

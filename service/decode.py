@@ -1,0 +1,117 @@
+"""Uploaded bytes → pixels, refusing what the service must not decode.
+
+Only PNG, JPEG, WebP and TIFF decoders are ever consulted. The pixel limit is
+checked from the header, before any pixel is decoded, so a small file that
+claims a huge image (a decompression bomb) costs nothing. EXIF orientation is
+applied; the first frame of a multi-frame file is used.
+
+The decoded image remembers its colour mode so the response can be encoded in
+the same one: ``L`` (grey, also from ``1``), ``I;16`` (16-bit grey, also from
+``I``/``F``), ``RGB`` (also from ``P``, ``CMYK``, ``YCbCr``, …), ``LA``/``RGBA``
+(the alpha channel is kept aside, not denoised).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from service.errors import ApiError
+
+FORMATS = ("PNG", "JPEG", "WEBP", "TIFF")
+SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N", "I", "F"}
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    """An upload's pixels.
+
+    Attributes:
+        pixels: ``(c, H, W)`` float32 in [0, 1], ``c`` 1 (grey) or 3 (colour).
+        alpha: ``(1, H, W)`` float32 in [0, 1] when the file had transparency, else ``None``.
+        mode: the PNG mode a response uses: ``L``, ``I;16``, ``RGB``, ``LA`` or ``RGBA``.
+        format: the file's format (one of ``FORMATS``).
+    """
+
+    pixels: torch.Tensor
+    alpha: torch.Tensor | None
+    mode: str
+    format: str
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """``(H, W)``."""
+        return self.pixels.shape[-2], self.pixels.shape[-1]
+
+
+def _tensor(arr: np.ndarray) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+    return t[None] if t.dim() == 2 else t.permute(2, 0, 1)
+
+
+def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
+    if not data:
+        raise ApiError(400, "empty_file", f"`{field}` is empty")
+    try:
+        with warnings.catch_warnings():
+            # the service's own limit (below) is the one that applies
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError:
+        raise ApiError(413, "too_many_pixels", f"`{field}` declares more than {max_pixels} pixels") from None
+    except UnidentifiedImageError:
+        raise ApiError(
+            415, "unsupported_media_type", f"`{field}` is not a PNG, JPEG, WebP or TIFF image"
+        ) from None
+    except (OSError, ValueError, SyntaxError) as err:
+        raise ApiError(415, "unsupported_media_type", f"`{field}` cannot be decoded: {err}") from None
+    width, height = im.size
+    if width * height > max_pixels:
+        raise ApiError(
+            413, "too_many_pixels", f"`{field}` is {width}×{height}, over the limit of {max_pixels} pixels"
+        )
+    if width < 2 or height < 2:
+        raise ApiError(422, "image_too_small", f"`{field}` is {width}×{height}; at least 2×2 pixels")
+    return im
+
+
+def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
+    """Decode an upload; ``ApiError`` 400 (empty), 413 (pixels), 415 (format) or 422 (too small)."""
+    im = _open(data, field, max_pixels)
+    fmt = im.format
+    try:
+        im = ImageOps.exif_transpose(im)
+        im.load()
+    except (OSError, ValueError, SyntaxError) as err:
+        raise ApiError(415, "unsupported_media_type", f"`{field}` cannot be decoded: {err}") from None
+    alpha = None
+    if im.mode in SIXTEEN_BIT:
+        arr = np.asarray(im, dtype=np.float32)
+        arr = arr if im.mode == "F" else arr / 65535.0
+        pixels, mode = _tensor(np.clip(np.nan_to_num(arr), 0.0, 1.0)), "I;16"
+    elif im.mode in {"1", "L"}:
+        pixels, mode = _tensor(np.asarray(im.convert("L")) / 255.0), "L"
+    elif im.mode in {"LA", "La"}:
+        arr = np.asarray(im.convert("LA")) / 255.0
+        pixels, alpha, mode = _tensor(arr[..., 0]), _tensor(arr[..., 1]), "LA"
+    elif im.mode in {"RGBA", "RGBa", "PA"} or (im.mode == "P" and "transparency" in im.info):
+        arr = np.asarray(im.convert("RGBA")) / 255.0
+        pixels, alpha, mode = _tensor(arr[..., :3]), _tensor(arr[..., 3]), "RGBA"
+    else:
+        pixels, mode = _tensor(np.asarray(im.convert("RGB")) / 255.0), "RGB"
+    return DecodedImage(pixels, alpha, mode, fmt)
+
+
+def decode_mask(data: bytes, field: str, size: tuple[int, int], max_pixels: int) -> torch.Tensor:
+    """A mask file → ``(1, H, W)`` bool, True where any channel is non-zero (a missing pixel);
+    ``ApiError`` 422 when its size is not the image's ``size`` ``(H, W)``."""
+    mask = decode_image(data, field, max_pixels)
+    if mask.size != size:
+        (h, w), (mh, mw) = size, mask.size
+        raise ApiError(422, "size_mismatch", f"`{field}` is {mw}×{mh} but the image is {w}×{h}")
+    return mask.pixels.amax(dim=0, keepdim=True) > 0

@@ -1,0 +1,61 @@
+"""Pixels → PNG bytes in the request's colour mode, and the negotiation of the response type."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+
+PNG = "image/png"
+JSON = "application/json"
+# PNG's fastest zlib level: responses are encoded per request, and level 1 costs a few per cent
+# in size against several times the time of the default level 6
+COMPRESS_LEVEL = 1
+
+
+def _quantise(x: torch.Tensor, peak: int, dtype: np.dtype) -> np.ndarray:
+    arr = (x.detach().float().cpu().clamp(0, 1) * peak).round().numpy().astype(dtype)
+    return arr[0] if arr.shape[0] == 1 else np.moveaxis(arr, 0, -1)
+
+
+def encode_png(pixels: torch.Tensor, mode: str, alpha: torch.Tensor | None = None) -> bytes:
+    """A PNG of ``pixels`` ``(c, H, W)`` in [0, 1] in ``mode`` (``L``, ``I;16``, ``RGB``, ``LA``,
+    ``RGBA``); ``alpha`` ``(1, H, W)`` for the modes with transparency (opaque when ``None``)."""
+    if mode == "I;16":
+        im = Image.fromarray(_quantise(pixels, 65535, np.uint16))
+    else:
+        base = Image.fromarray(_quantise(pixels, 255, np.uint8))
+        if mode in {"LA", "RGBA"}:
+            a = torch.ones_like(pixels[:1]) if alpha is None else alpha
+            base.putalpha(Image.fromarray(_quantise(a, 255, np.uint8)))
+        im = base
+    if im.mode != mode:
+        raise ValueError(f"cannot encode {tuple(pixels.shape)} pixels as {mode}")
+    out = io.BytesIO()
+    im.save(out, format="PNG", compress_level=COMPRESS_LEVEL)
+    return out.getvalue()
+
+
+def wants_json(accept: str | None) -> bool:
+    """Whether ``Accept`` prefers ``application/json`` to ``image/png``: higher ``q`` wins, then the
+    more specific range (``application/json`` beats ``*/*``); PNG on a tie or without ``Accept``."""
+    score = {PNG: (0.0, -1), JSON: (0.0, -1)}
+    for item in (accept or "").split(","):
+        media, *params = (p.strip().lower() for p in item.split(";"))
+        q = 1.0
+        for p in params:
+            key, _, value = p.partition("=")
+            if key.strip() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        for target in score:
+            ranges = ("*/*", target.split("/")[0] + "/*", target)
+            if media in ranges:
+                specificity = ranges.index(media)
+                if specificity > score[target][1]:
+                    score[target] = (q, specificity)
+    return score[JSON] > score[PNG]

@@ -1,0 +1,202 @@
+"""The inference engine: a bounded queue, dynamic batching, one worker thread per device.
+
+Requests become ``Job``s. ``Engine.infer`` admits a job or refuses it at once
+(queue full, not accepting), then awaits its result until the job's deadline.
+Each worker thread takes the oldest job and gathers the queued jobs with the
+same ``batch_key`` (same model, image shape and batch-wide options) up to
+``max_batch_size`` jobs and ``max_batch_pixels`` pixels. It waits up to
+``batch_wait_seconds`` for more only while other requests are still being
+decoded (``incoming``), since otherwise nothing can join. Blocking torch work
+runs only on the workers, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from service.errors import ApiError
+from service.metrics import Metrics
+
+log = logging.getLogger("kdeq.service")
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's work: ``payload`` for the batch runner, compatible jobs share ``batch_key``."""
+
+    endpoint: str
+    model: str
+    batch_key: Hashable
+    payload: Any
+    pixels: int
+    deadline: float
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    future: asyncio.Future = field(init=False)
+    enqueued_at: float = field(init=False, default=0.0)
+    started_at: float = field(init=False, default=0.0)
+    batch_size: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.future = self.loop.create_future()
+
+
+# runs a batch of compatible jobs on a device; returns one result per job, in order
+BatchRunner = Callable[[str, Sequence[Job]], Sequence[Any]]
+
+
+class Engine:
+    """The queue and its workers; see the module docstring."""
+
+    def __init__(
+        self,
+        run_batch: BatchRunner,
+        metrics: Metrics,
+        *,
+        queue_size: int,
+        max_batch_size: int,
+        max_batch_pixels: int,
+        batch_wait_seconds: float,
+    ) -> None:
+        self.run_batch = run_batch
+        self.metrics = metrics
+        self.queue_size = queue_size
+        self.max_batch_size = max_batch_size
+        self.max_batch_pixels = max_batch_pixels
+        self.batch_wait = batch_wait_seconds
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._incoming = 0
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+
+    def start(self, devices: Sequence[str]) -> None:
+        """Start one worker thread per device."""
+        for device in devices:
+            thread = threading.Thread(
+                target=self._work, args=(device,), name=f"kdeq-worker-{device}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Let the workers finish every queued job, then end them."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    @contextlib.contextmanager
+    def incoming(self) -> Iterator[None]:
+        """Mark a request as on its way to the queue (being decoded), so batches wait for it."""
+        with self._cond:
+            self._incoming += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._incoming -= 1
+                self._cond.notify_all()
+
+    async def infer(self, job: Job) -> Any:
+        """Queue ``job`` and await its result; 503 when the queue is full, 504 past the deadline."""
+        with self._cond:
+            if self._stopping or not self._threads:
+                self.metrics.rejected.labels("not_ready").inc()
+                raise ApiError(
+                    503, "unavailable", "the inference engine is not running", {"Retry-After": "5"}
+                )
+            if len(self._queue) >= self.queue_size:
+                self.metrics.rejected.labels("queue_full").inc()
+                raise ApiError(
+                    503,
+                    "queue_full",
+                    f"the queue holds {self.queue_size} requests; retry shortly",
+                    {"Retry-After": "1"},
+                )
+            job.enqueued_at = time.monotonic()
+            self._queue.append(job)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._cond.notify_all()
+        try:
+            return await asyncio.wait_for(job.future, timeout=max(job.deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            with self._cond:
+                if job in self._queue:
+                    self._queue.remove(job)
+                    self.metrics.queue_depth.set(len(self._queue))
+            self.metrics.rejected.labels("timeout").inc()
+            raise ApiError(504, "timeout", "no result within the request timeout") from None
+
+    def _take_batch(self) -> list[Job] | None:
+        with self._cond:
+            while not self._queue:
+                if self._stopping:
+                    return None
+                self._cond.wait()
+            first = self._queue.popleft()
+            batch, pixels = [first], first.pixels
+            wait_until = time.monotonic() + self.batch_wait
+            while len(batch) < self.max_batch_size:
+                for job in list(self._queue):
+                    fits = pixels + job.pixels <= self.max_batch_pixels
+                    if job.batch_key == first.batch_key and fits and len(batch) < self.max_batch_size:
+                        self._queue.remove(job)
+                        batch.append(job)
+                        pixels += job.pixels
+                remaining = wait_until - time.monotonic()
+                if len(batch) >= self.max_batch_size or self._incoming == 0 or remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            self.metrics.queue_depth.set(len(self._queue))
+            return batch
+
+    def _work(self, device: str) -> None:
+        while (batch := self._take_batch()) is not None:
+            batch = [job for job in batch if not job.future.done()]
+            if not batch:
+                continue
+            start = time.monotonic()
+            for job in batch:
+                job.started_at, job.batch_size = start, len(batch)
+                self.metrics.queue_wait.labels(job.endpoint).observe(start - job.enqueued_at)
+            outcomes = self._run(device, batch)
+            elapsed = time.monotonic() - start
+            self.metrics.inference_duration.labels(batch[0].endpoint, batch[0].model).observe(elapsed)
+            self.metrics.batch_size.labels(batch[0].model).observe(len(batch))
+            for job, outcome in zip(batch, outcomes, strict=True):
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+                    job.loop.call_soon_threadsafe(_deliver, job.future, outcome)
+
+    def _run(self, device: str, batch: list[Job]) -> list[Any]:
+        """Results (or exceptions) per job; a failing batch is retried one job at a time, so one bad
+        request cannot fail the others."""
+        try:
+            return list(self.run_batch(device, batch))
+        except Exception as err:
+            if len(batch) == 1:
+                return [err]
+            log.warning("batch of %d failed (%s); retrying each request alone", len(batch), err)
+            return [self._run(device, [job])[0] for job in batch]
+
+
+def _deliver(future: asyncio.Future, outcome: Any) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

@@ -1,0 +1,175 @@
+"""The service's Prometheus metrics (DESIGN §4): names, labels and buckets in one place.
+
+Each ``Metrics`` owns its registry, so an application (or a test) sees only
+its own series. Labels are bounded: ``endpoint`` is one of the routes,
+``model`` one of the configured models, ``status`` an HTTP status, ``reason``
+one of ``REJECTION_REASONS``.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from collections.abc import Iterable, Iterator
+
+import torch
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REJECTION_REASONS = ("queue_full", "draining", "not_ready", "timeout", "body_too_large", "too_many_pixels")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+RESIDUAL_BUCKETS = tuple(10.0**e for e in range(-10, 1))
+# a residual that is not finite is recorded as this value (it lands above every finite bucket)
+RESIDUAL_NONFINITE = 1e3
+ITERATION_LADDER = (1, 2, 3, 5, 8, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
+SIZE_BUCKETS = tuple(2.0**e for e in range(10, 31, 2))
+
+# the `_created` series double the exposition and no dashboard or alert here reads them
+disable_created_metrics()
+
+
+def iteration_buckets(caps: Iterable[int]) -> tuple[float, ...]:
+    """The iteration ladder with a bucket edge at every model's cap, so ``le=cap`` counts the
+    solves that stopped at the cap separately from those that converged just before it."""
+    edges = set(ITERATION_LADDER)
+    for cap in caps:
+        edges.update((cap - 1, cap) if cap > 1 else (cap,))
+    return tuple(sorted(edges))
+
+
+class CudaMemoryCollector(Collector):
+    """The CUDA caching allocator's allocated, reserved and total bytes per device, read at scrape."""
+
+    def __init__(self, devices: list[str]) -> None:
+        self.devices = [torch.device(d) for d in devices if d.startswith("cuda")]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            "allocated": GaugeMetricFamily(
+                "kdeq_cuda_memory_allocated_bytes", "bytes held by tensors", labels=["device"]
+            ),
+            "reserved": GaugeMetricFamily(
+                "kdeq_cuda_memory_reserved_bytes",
+                "bytes reserved by the caching allocator",
+                labels=["device"],
+            ),
+            "total": GaugeMetricFamily("kdeq_cuda_memory_total_bytes", "device memory", labels=["device"]),
+        }
+        for dev in self.devices:
+            label = [str(dev)]
+            families["allocated"].add_metric(label, torch.cuda.memory_allocated(dev))
+            families["reserved"].add_metric(label, torch.cuda.memory_reserved(dev))
+            families["total"].add_metric(label, torch.cuda.get_device_properties(dev).total_memory)
+        yield from families.values()
+
+
+class Metrics:
+    """Every metric the service exports; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self, iteration_caps: Iterable[int], max_batch_size: int, devices: list[str]) -> None:
+        from service import __version__
+
+        r = self.registry = CollectorRegistry()
+        self.solver_iterations = Histogram(
+            "kdeq_solver_iterations",
+            "fixed-point solver iterations per image",
+            ["endpoint", "model"],
+            buckets=iteration_buckets(iteration_caps),
+            registry=r,
+        )
+        self.solver_residual = Histogram(
+            "kdeq_solver_relative_residual",
+            "relative residual ‖f(z)−z‖/‖f(z)‖ of the returned iterate per image "
+            f"(non-finite recorded as {RESIDUAL_NONFINITE:g})",
+            ["endpoint", "model"],
+            buckets=RESIDUAL_BUCKETS,
+            registry=r,
+        )
+        self.solver_nonconverged = Counter(
+            "kdeq_solver_nonconverged",
+            "images whose solve stopped above its tolerance (the best iterate was returned)",
+            ["endpoint", "model"],
+            registry=r,
+        )
+        self.http_requests = Counter(
+            "kdeq_http_requests", "HTTP requests answered", ["endpoint", "status"], registry=r
+        )
+        self.http_duration = Histogram(
+            "kdeq_http_request_duration_seconds",
+            "time from request arrival to the end of the response",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kdeq_queue_wait_seconds",
+            "time a request waited for a worker",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inference_duration = Histogram(
+            "kdeq_inference_duration_seconds",
+            "time to solve one batch on the device",
+            ["endpoint", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "kdeq_batch_size",
+            "requests solved together in one batch",
+            ["model"],
+            buckets=tuple(range(1, max_batch_size + 1)),
+            registry=r,
+        )
+        self.queue_depth = Gauge("kdeq_queue_depth", "requests waiting for a worker", registry=r)
+        self.in_flight = Gauge(
+            "kdeq_requests_in_flight",
+            "inference requests being decoded, queued, solved or encoded",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kdeq_rejected_requests", "requests refused for capacity or limits", ["reason"], registry=r
+        )
+        self.upload_size = Histogram(
+            "kdeq_upload_size_bytes", "request body size", ["endpoint"], buckets=SIZE_BUCKETS, registry=r
+        )
+        self.model_ready = Gauge(
+            "kdeq_model_ready", "1 when the model is loaded and warm", ["model"], registry=r
+        )
+        self.build = Info("kdeq_build", "service version, torch version and devices", registry=r)
+        self.build.info(
+            {
+                "version": __version__,
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "devices": ",".join(devices),
+            }
+        )
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(reason)
+        if any(d.startswith("cuda") for d in devices):
+            r.register(CudaMemoryCollector(devices))
+
+    def observe_solve(
+        self, endpoint: str, model: str, iterations: int, residual: float, converged: bool
+    ) -> None:
+        """Record one image's solver statistics."""
+        self.solver_iterations.labels(endpoint, model).observe(iterations)
+        value = residual if math.isfinite(residual) else RESIDUAL_NONFINITE
+        self.solver_residual.labels(endpoint, model).observe(value)
+        counter = self.solver_nonconverged.labels(endpoint, model)
+        if not converged:
+            counter.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,120 @@
+"""The models this process serves: which were configured, which loaded, and why others did not.
+
+A model that fails to load or to warm up is kept in the registry with its
+error (``GET /models``, ``kdeq_model_ready{model}=0``, a log line naming the
+file and the reason); the others are served.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kdeq.checkpoint import CheckpointError, ModelConfig, read_config
+from kdeq.predictor import Predictor
+from kdeq.repository import NAME, find_model, list_models, load_predictor
+from service.errors import ApiError
+from service.tasks import solve_batch, warmup_input
+
+log = logging.getLogger("kdeq.service")
+
+
+@dataclass
+class ModelSlot:
+    """One configured model (``NAME:VERSION``) and its predictors, one per device."""
+
+    id: str
+    path: Path | None
+    config: ModelConfig | None
+    error: str | None = None
+    predictors: dict[str, Predictor] = field(default_factory=dict)
+    ready: bool = False
+    load_seconds: float | None = None
+
+    @property
+    def task(self) -> str | None:
+        return self.config.task if self.config is not None else None
+
+
+class ModelRegistry:
+    """Resolves the configured model list against the repository at ``root``."""
+
+    def __init__(self, root: Path, names: tuple[str, ...]) -> None:
+        self.root = root
+        self.slots: dict[str, ModelSlot] = {}
+        if not names:
+            latest: dict[str, int] = {}
+            for entry in list_models(root):
+                latest[entry.name] = max(latest.get(entry.name, 0), entry.version)
+            names = tuple(f"{n}:{v}" for n, v in latest.items())
+        for spec in names:
+            self._plan(spec)
+
+    def _plan(self, spec: str) -> None:
+        name, _, ver = spec.partition(":")
+        try:
+            version = int(ver) if ver else None
+            path = find_model(self.root, name, version)
+        except (LookupError, ValueError) as err:
+            slot = ModelSlot(spec, None, None, error=str(err))
+        else:
+            slot_id = f"{name}:{path.name}"
+            try:
+                slot = ModelSlot(slot_id, path, read_config(path))
+            except CheckpointError as err:
+                slot = ModelSlot(slot_id, path, None, error=str(err))
+        self.slots.setdefault(slot.id, slot)
+
+    def iteration_caps(self) -> list[int]:
+        return [s.config.solver.max_iter for s in self.slots.values() if s.config is not None]
+
+    def load(self, devices: list[str], warmup: bool) -> None:
+        """Load every planned model onto every device and warm it up; failures are recorded."""
+        for slot in self.slots.values():
+            if slot.error is not None:
+                log.error("model %s not loaded: %s", slot.id, slot.error)
+                continue
+            start = time.perf_counter()
+            try:
+                for device in devices:
+                    predictor = load_predictor(slot.path, device)
+                    if warmup:
+                        solve_batch(predictor, [warmup_input(predictor.task)])
+                    slot.predictors[device] = predictor
+            except Exception as err:  # a broken model must not stop the others from serving
+                slot.predictors.clear()
+                slot.error = str(err) if isinstance(err, CheckpointError) else f"{slot.path}: {err}"
+                log.error("model %s not loaded: %s", slot.id, slot.error)
+                continue
+            slot.load_seconds = time.perf_counter() - start
+            slot.ready = True
+            log.info("model %s ready on %s in %.2f s", slot.id, ",".join(devices), slot.load_seconds)
+
+    def default(self, task: str) -> ModelSlot | None:
+        """The first ready model of ``task`` in the configured order."""
+        return next((s for s in self.slots.values() if s.ready and s.task == task), None)
+
+    def resolve(self, task: str, requested: str | None) -> ModelSlot:
+        """The ready model for ``task`` named ``requested`` (``NAME`` or ``NAME:VERSION``), or the
+        first ready model of ``task`` in the configured order; ``ApiError`` 400/404 otherwise."""
+        if requested is None:
+            default = self.default(task)
+            if default is None:
+                raise ApiError(404, "no_model", f"no {task} model is loaded")
+            return default
+        candidates = [s for s in self.slots.values() if s.ready and s.task == task]
+        name, _, ver = requested.partition(":")
+        if not NAME.match(name) or (ver and not ver.isdigit()):
+            raise ApiError(400, "invalid_model", f"`model` must be NAME or NAME:VERSION, got {requested!r}")
+        matches = [
+            (int(slot_ver), slot)
+            for slot in candidates
+            for slot_name, _, slot_ver in [slot.id.partition(":")]
+            if slot_name == name and (not ver or int(ver) == int(slot_ver))
+        ]
+        if matches:
+            return max(matches, key=lambda m: m[0])[1]
+        loaded = ", ".join(s.id for s in candidates) or "none"
+        raise ApiError(404, "no_model", f"no {task} model {requested!r} is loaded (loaded: {loaded})")

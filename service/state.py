@@ -1,0 +1,109 @@
+"""The service's lifecycle: starting → ready → draining, and the parts it owns.
+
+``start()`` returns at once; a background thread loads every configured model
+onto every device, warms each up, starts the inference workers and then marks
+the service ready, so ``/healthz`` answers from the first moment while
+``/readyz`` says 503 until the models are usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Literal
+
+from service.engine import Engine, Job
+from service.errors import ApiError
+from service.metrics import Metrics
+from service.registry import ModelRegistry
+from service.settings import Settings
+from service.tasks import Solved, solve_batch
+
+log = logging.getLogger("kdeq.service")
+
+Phase = Literal["starting", "ready", "draining", "stopped"]
+
+
+class Service:
+    """Settings, metrics, model registry and inference engine of one process."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.devices = settings.devices()
+        self.registry = ModelRegistry(settings.models_dir, settings.models)
+        self.metrics = Metrics(self.registry.iteration_caps(), settings.max_batch_size, self.devices)
+        self.engine = Engine(
+            self._solve,
+            self.metrics,
+            queue_size=settings.queue_size,
+            max_batch_size=settings.max_batch_size,
+            max_batch_pixels=settings.max_batch_pixels,
+            batch_wait_seconds=settings.batch_wait_seconds,
+        )
+        self.phase: Phase = "starting"
+        self._loader: threading.Thread | None = None
+        for slot in self.registry.slots.values():
+            self.metrics.model_ready.labels(slot.id).set(0)
+
+    def start(self) -> None:
+        """Begin loading in the background (see the module docstring)."""
+        self._loader = threading.Thread(target=self._load, name="kdeq-loader", daemon=True)
+        self._loader.start()
+
+    def _load(self) -> None:
+        log.info("loading %d model(s) onto %s", len(self.registry.slots), ",".join(self.devices))
+        self.registry.load(self.devices, self.settings.warmup)
+        for slot in self.registry.slots.values():
+            self.metrics.model_ready.labels(slot.id).set(1 if slot.ready else 0)
+            if slot.ready:
+                # a zero series from the start, so a non-convergence ratio is defined before the first miss
+                self.metrics.solver_nonconverged.labels(f"/{slot.task}", slot.id)
+        self.engine.start(self.devices)
+        if self.phase == "starting":
+            self.phase = "ready"
+        ready = sum(s.ready for s in self.registry.slots.values())
+        log.info("ready: %d of %d model(s) serving", ready, len(self.registry.slots))
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block until the background load has finished; False on timeout."""
+        if self._loader is not None:
+            self._loader.join(timeout)
+            return not self._loader.is_alive()
+        return False
+
+    def begin_drain(self) -> None:
+        """Readiness turns 503; requests already admitted, and new ones during the drain, are served."""
+        if self.phase != "stopped":
+            self.phase = "draining"
+            log.info("draining: /readyz now answers 503")
+
+    def stop(self) -> None:
+        """Finish the queued requests and end the workers."""
+        self.begin_drain()
+        self.wait_loaded()
+        self.engine.stop()
+        self.phase = "stopped"
+
+    def readiness(self) -> str:
+        """``ready``, ``starting``, ``draining``, ``stopped`` or ``no_models`` (none could be loaded)."""
+        if self.phase == "ready" and not any(s.ready for s in self.registry.slots.values()):
+            return "no_models"
+        return self.phase
+
+    def check_accepting(self) -> None:
+        """503 with ``Retry-After`` unless models are loaded and the process is not stopping."""
+        if self.phase == "starting":
+            self.metrics.rejected.labels("not_ready").inc()
+            raise ApiError(503, "not_ready", "models are still loading", {"Retry-After": "5"})
+        if self.phase == "stopped":
+            self.metrics.rejected.labels("draining").inc()
+            raise ApiError(503, "draining", "the service is shutting down", {"Retry-After": "1"})
+
+    def _solve(self, device: str, jobs: list[Job]) -> list[Solved]:
+        slot = self.registry.slots[jobs[0].model]
+        solved = solve_batch(slot.predictors[device], [job.payload for job in jobs])
+        for job, result in zip(jobs, solved, strict=True):
+            self.metrics.observe_solve(
+                job.endpoint, job.model, result.iterations, result.residual, result.converged
+            )
+        return solved

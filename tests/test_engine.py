@@ -1,0 +1,165 @@
+"""The inference engine's queue and batching, driven by a batch runner the test controls."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from service.engine import Engine, Job
+from service.errors import ApiError
+from service.metrics import Metrics
+
+
+class Runner:
+    """Records each batch's payloads; the first batch blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.release = threading.Event()
+        self.started = threading.Event()
+
+    def __call__(self, device: str, jobs) -> list[str]:
+        self.batches.append([j.payload for j in jobs])
+        self.started.set()
+        if len(self.batches) == 1:
+            self.release.wait(10)
+        if any(j.payload == "bad" for j in jobs):
+            raise ValueError("bad input")
+        return [f"{j.payload}@{device}" for j in jobs]
+
+
+def engine(runner: Runner, **kw) -> tuple[Engine, Metrics]:
+    metrics = Metrics([10], 8, ["cpu"])
+    opts = {"queue_size": 8, "max_batch_size": 8, "max_batch_pixels": 10_000, "batch_wait_seconds": 0.0}
+    opts.update(kw)
+    return Engine(runner, metrics, **opts), metrics
+
+
+def job(payload: str, key: str = "a", pixels: int = 100, timeout: float = 10.0) -> Job:
+    return Job("/denoise", "m:1", key, payload, pixels, time.monotonic() + timeout)
+
+
+async def _blocked_then(
+    eng: Engine, runner: Runner, specs: list[tuple], jobs: list[Job] | None = None
+) -> list:
+    """Start one job, wait until the worker is busy with it, queue jobs made from ``specs`` (the
+    arguments of ``job``; appended to ``jobs``), then release the worker."""
+    later = [job(*spec) for spec in specs]
+    if jobs is not None:
+        jobs.extend(later)
+    first = job("first")
+    tasks = [asyncio.create_task(eng.infer(first))]
+    while not runner.started.is_set():
+        await asyncio.sleep(0.005)
+    tasks += [asyncio.create_task(eng.infer(j)) for j in later]
+    await asyncio.sleep(0.05)
+    runner.release.set()
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def run(coro_fn, eng: Engine):
+    async def main():
+        eng.start(["cpu"])
+        try:
+            return await coro_fn()
+        finally:
+            await asyncio.to_thread(eng.stop)
+
+    return asyncio.run(main())
+
+
+def test_compatible_jobs_are_batched_in_arrival_order() -> None:
+    runner = Runner()
+    eng, metrics = engine(runner)
+    later: list[Job] = []
+    specs = [("a1",), ("b1", "b"), ("a2",), ("a3",)]
+    results = run(lambda: _blocked_then(eng, runner, specs, later), eng)
+    assert results == ["first@cpu", "a1@cpu", "b1@cpu", "a2@cpu", "a3@cpu"]
+    assert runner.batches == [["first"], ["a1", "a2", "a3"], ["b1"]]
+    assert [j.batch_size for j in later] == [3, 1, 3, 3]
+    text = metrics.render().decode()
+    assert 'kdeq_batch_size_count{model="m:1"} 3.0' in text
+
+
+def test_batch_size_and_pixel_limits() -> None:
+    runner = Runner()
+    eng, _ = engine(runner, max_batch_size=2, max_batch_pixels=250)
+    specs = [("a1",), ("a2",), ("a3",), ("big", "a", 200), ("a4",)]
+    run(lambda: _blocked_then(eng, runner, specs), eng)
+    # a4 joins a3 past `big`, which does not fit; `big` is then the oldest, so it cannot starve
+    assert runner.batches == [["first"], ["a1", "a2"], ["a3", "a4"], ["big"]]
+
+
+def test_full_queue_is_refused_at_once_with_retry_after() -> None:
+    runner = Runner()
+    eng, metrics = engine(runner, queue_size=2)
+    results = run(lambda: _blocked_then(eng, runner, [("a1",), ("a2",), ("a3",)]), eng)
+    refused = results[3]
+    assert isinstance(refused, ApiError) and refused.status_code == 503
+    assert refused.headers["Retry-After"] == "1"
+    assert results[:3] == ["first@cpu", "a1@cpu", "a2@cpu"]
+    assert 'kdeq_rejected_requests_total{reason="queue_full"} 1.0' in metrics.render().decode()
+
+
+def test_timeout_is_504_and_frees_the_queue_slot() -> None:
+    runner = Runner()
+    eng, metrics = engine(runner, queue_size=1)
+
+    async def scenario():
+        first = asyncio.create_task(eng.infer(job("first")))
+        while not runner.started.is_set():
+            await asyncio.sleep(0.005)
+        with pytest.raises(ApiError) as err:
+            await eng.infer(job("late", timeout=0.05))
+        assert err.value.status_code == 504 and eng.depth == 0
+        queued = asyncio.create_task(eng.infer(job("next")))  # the slot is free again
+        runner.release.set()
+        return await asyncio.gather(first, queued)
+
+    assert run(scenario, eng) == ["first@cpu", "next@cpu"]
+    assert runner.batches == [["first"], ["next"]]
+    assert 'kdeq_rejected_requests_total{reason="timeout"} 1.0' in metrics.render().decode()
+
+
+def test_a_failing_request_does_not_fail_its_batch() -> None:
+    runner = Runner()
+    eng, _ = engine(runner)
+    results = run(lambda: _blocked_then(eng, runner, [("a1",), ("bad",), ("a2",)]), eng)
+    assert results[1] == "a1@cpu" and results[3] == "a2@cpu"
+    assert isinstance(results[2], ValueError)
+    assert runner.batches[1] == ["a1", "bad", "a2"]  # tried together, then one by one
+    assert runner.batches[2:] == [["a1"], ["bad"], ["a2"]]
+
+
+def test_a_batch_waits_for_requests_still_being_decoded() -> None:
+    runner = Runner()
+    runner.release.set()
+    eng, _ = engine(runner, batch_wait_seconds=1.0)
+
+    async def scenario():
+        with eng.incoming():
+            a = asyncio.create_task(eng.infer(job("a1")))
+            await asyncio.sleep(0.1)  # the worker holds a1, waiting for this request to be queued
+            b = asyncio.create_task(eng.infer(job("a2")))
+            await asyncio.sleep(0)
+        return await asyncio.gather(a, b)
+
+    start = time.monotonic()
+    assert run(scenario, eng) == ["a1@cpu", "a2@cpu"]
+    assert runner.batches == [["a1", "a2"]]
+    assert time.monotonic() - start < 1.0  # it stopped waiting once nothing more was incoming
+
+
+def test_stopped_engine_refuses() -> None:
+    runner = Runner()
+    eng, _ = engine(runner)
+
+    async def scenario():
+        with pytest.raises(ApiError) as err:
+            await eng.infer(job("x"))
+        return err.value.status_code
+
+    assert asyncio.run(scenario()) == 503
