@@ -11,7 +11,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
-import numpy as np
 import pytest
 
 from tests.service_helpers import ROOT, Server, encode, metric, noisy, run_server, smooth_image, to_uint8
@@ -102,8 +101,8 @@ def test_full_queue_rejects_at_once_and_timeouts_give_504(tmp_path) -> None:
         # a solve that outlasts the request timeout: 504, and the service stays usable
         r = post(server, "/denoise", image_png(1024))
         assert r.status_code == 504 and r.json()["error"] == "timeout"
-        deadline = time.monotonic() + 60
-        while (r := post(server, "/denoise", image_png(32))).status_code != 200 and time.monotonic() < deadline:
+        deadline, small = time.monotonic() + 60, image_png(32)
+        while (r := post(server, "/denoise", small)).status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert r.status_code == 200
 
