@@ -5,6 +5,11 @@ checked from the header, before any pixel is decoded, so a small file that
 claims a huge image (a decompression bomb) costs nothing. EXIF orientation is
 applied; the first frame of a multi-frame file is used.
 
+Decoding is numpy-only: torch runs on the inference workers alone, so its
+OpenMP pool has a single master thread (each extra thread that calls torch
+gets a pool of its own, and on a small machine the pools' threads throttle
+each other — measured 2× slower solves).
+
 The decoded image remembers its colour mode so the response can be encoded in
 the same one: ``L`` (grey, also from ``1``), ``I;16`` (16-bit grey, also from
 ``I``/``F``), ``RGB`` (also from ``P``, ``CMYK``, ``YCbCr``, …), ``LA``/``RGBA``
@@ -18,7 +23,6 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.errors import ApiError
@@ -32,14 +36,14 @@ class DecodedImage:
     """An upload's pixels.
 
     Attributes:
-        pixels: ``(c, H, W)`` float32 in [0, 1], ``c`` 1 (grey) or 3 (colour).
-        alpha: ``(1, H, W)`` float32 in [0, 1] when the file had transparency, else ``None``.
+        pixels: ``(c, H, W)`` float32 array in [0, 1], ``c`` 1 (grey) or 3 (colour).
+        alpha: ``(1, H, W)`` float32 array in [0, 1] when the file had transparency, else ``None``.
         mode: the PNG mode a response uses: ``L``, ``I;16``, ``RGB``, ``LA`` or ``RGBA``.
         format: the file's format (one of ``FORMATS``).
     """
 
-    pixels: torch.Tensor
-    alpha: torch.Tensor | None
+    pixels: np.ndarray
+    alpha: np.ndarray | None
     mode: str
     format: str
 
@@ -49,9 +53,10 @@ class DecodedImage:
         return self.pixels.shape[-2], self.pixels.shape[-1]
 
 
-def _tensor(arr: np.ndarray) -> torch.Tensor:
-    t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
-    return t[None] if t.dim() == 2 else t.permute(2, 0, 1)
+def _planes(arr: np.ndarray) -> np.ndarray:
+    """``(H, W)`` or ``(H, W, c)`` → contiguous float32 ``(c, H, W)``."""
+    planes = arr[None] if arr.ndim == 2 else np.moveaxis(arr, -1, 0)
+    return np.ascontiguousarray(planes, dtype=np.float32)
 
 
 def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
@@ -93,25 +98,25 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
     if im.mode in SIXTEEN_BIT:
         arr = np.asarray(im, dtype=np.float32)
         arr = arr if im.mode == "F" else arr / 65535.0
-        pixels, mode = _tensor(np.clip(np.nan_to_num(arr), 0.0, 1.0)), "I;16"
+        pixels, mode = _planes(np.clip(np.nan_to_num(arr), 0.0, 1.0)), "I;16"
     elif im.mode in {"1", "L"}:
-        pixels, mode = _tensor(np.asarray(im.convert("L")) / 255.0), "L"
+        pixels, mode = _planes(np.asarray(im.convert("L")) / 255.0), "L"
     elif im.mode in {"LA", "La"}:
         arr = np.asarray(im.convert("LA")) / 255.0
-        pixels, alpha, mode = _tensor(arr[..., 0]), _tensor(arr[..., 1]), "LA"
+        pixels, alpha, mode = _planes(arr[..., 0]), _planes(arr[..., 1]), "LA"
     elif im.mode in {"RGBA", "RGBa", "PA"} or (im.mode == "P" and "transparency" in im.info):
         arr = np.asarray(im.convert("RGBA")) / 255.0
-        pixels, alpha, mode = _tensor(arr[..., :3]), _tensor(arr[..., 3]), "RGBA"
+        pixels, alpha, mode = _planes(arr[..., :3]), _planes(arr[..., 3]), "RGBA"
     else:
-        pixels, mode = _tensor(np.asarray(im.convert("RGB")) / 255.0), "RGB"
+        pixels, mode = _planes(np.asarray(im.convert("RGB")) / 255.0), "RGB"
     return DecodedImage(pixels, alpha, mode, fmt)
 
 
-def decode_mask(data: bytes, field: str, size: tuple[int, int], max_pixels: int) -> torch.Tensor:
-    """A mask file → ``(1, H, W)`` bool, True where any channel is non-zero (a missing pixel);
+def decode_mask(data: bytes, field: str, size: tuple[int, int], max_pixels: int) -> np.ndarray:
+    """A mask file → ``(1, H, W)`` bool array, True where any channel is non-zero (a missing pixel);
     ``ApiError`` 422 when its size is not the image's ``size`` ``(H, W)``."""
     mask = decode_image(data, field, max_pixels)
     if mask.size != size:
         (h, w), (mh, mw) = size, mask.size
         raise ApiError(422, "size_mismatch", f"`{field}` is {mw}×{mh} but the image is {w}×{h}")
-    return mask.pixels.amax(dim=0, keepdim=True) > 0
+    return mask.pixels.max(axis=0, keepdims=True) > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import torch
 from PIL import Image
 
 PNG = "image/png"
@@ -15,20 +14,21 @@ JSON = "application/json"
 COMPRESS_LEVEL = 1
 
 
-def _quantise(x: torch.Tensor, peak: int, dtype: np.dtype) -> np.ndarray:
-    arr = (x.detach().float().cpu().clamp(0, 1) * peak).round().numpy().astype(dtype)
-    return arr[0] if arr.shape[0] == 1 else np.moveaxis(arr, 0, -1)
+def _quantise(x: np.ndarray, peak: int, dtype: type) -> np.ndarray:
+    arr = np.rint(np.clip(x, 0.0, 1.0) * peak).astype(dtype)
+    return arr[0] if arr.shape[0] == 1 else np.ascontiguousarray(np.moveaxis(arr, 0, -1))
 
 
-def encode_png(pixels: torch.Tensor, mode: str, alpha: torch.Tensor | None = None) -> bytes:
+def encode_png(pixels: np.ndarray, mode: str, alpha: np.ndarray | None = None) -> bytes:
     """A PNG of ``pixels`` ``(c, H, W)`` in [0, 1] in ``mode`` (``L``, ``I;16``, ``RGB``, ``LA``,
-    ``RGBA``); ``alpha`` ``(1, H, W)`` for the modes with transparency (opaque when ``None``)."""
+    ``RGBA``); ``alpha`` ``(1, H, W)`` for the modes with transparency (opaque when ``None``).
+    Numpy-only, like decoding (see ``service.decode``)."""
     if mode == "I;16":
         im = Image.fromarray(_quantise(pixels, 65535, np.uint16))
     else:
         base = Image.fromarray(_quantise(pixels, 255, np.uint8))
         if mode in {"LA", "RGBA"}:
-            a = torch.ones_like(pixels[:1]) if alpha is None else alpha
+            a = np.ones_like(pixels[:1]) if alpha is None else alpha
             base.putalpha(Image.fromarray(_quantise(a, 255, np.uint8)))
         im = base
     if im.mode != mode:

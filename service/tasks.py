@@ -1,8 +1,9 @@
 """What a request asks a model to solve, and how a batch of such requests is solved.
 
-This is the only module that calls the task models (``kdeq`` predictors): it
-stacks the images of compatible requests, calls ``predict`` once, and splits
-the ``Prediction`` back into one ``Solved`` per request, on the CPU.
+This is the only module that calls the task models (``kdeq`` predictors), and
+it runs on the inference workers only: it stacks the images of compatible
+requests, calls ``predict`` once, and splits the ``Prediction`` back into one
+``Solved`` per request as numpy arrays on the host.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from kdeq.predictor import Predictor, SolverOverride
@@ -21,16 +23,16 @@ class TaskInput:
     """A request's input.
 
     Attributes:
-        image: ``(c, H, W)`` float32 in [0, 1].
-        missing: ``(1, H, W)`` bool, True at pixels to fill (inpaint), else ``None``.
+        image: ``(c, H, W)`` float32 array in [0, 1].
+        missing: ``(1, H, W)`` bool array, True at pixels to fill (inpaint), else ``None``.
         sigma: noise level on the 0–255 scale (denoise), ``None`` to estimate it.
         threshold: binarisation threshold in [0, 1] (segment), ``None`` for Otsu's.
         output: ``mask`` or ``probability`` (segment).
         solver: per-request solver limits.
     """
 
-    image: torch.Tensor
-    missing: torch.Tensor | None = None
+    image: np.ndarray
+    missing: np.ndarray | None = None
     sigma: float | None = None
     threshold: float | None = None
     output: Literal["mask", "probability"] = "mask"
@@ -46,13 +48,13 @@ class Solved:
     """One request's result.
 
     Attributes:
-        output: ``(c, H, W)`` float32 in [0, 1] on the CPU: the restored image, or the
+        output: ``(c, H, W)`` float32 array in [0, 1]: the restored image, or the
             segment mask / probability ``(1, H, W)``.
         iterations, residual, converged: the solver's statistics for this image.
         lam: ``λ`` used; sigma: noise level used (0–255, denoise); threshold: used (segment).
     """
 
-    output: torch.Tensor
+    output: np.ndarray
     iterations: int
     residual: float
     converged: bool
@@ -64,17 +66,17 @@ class Solved:
 def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solved]:
     """Solve compatible ``inputs`` (equal ``batch_key``) in one ``predict`` call."""
     first = inputs[0]
-    images = torch.stack([i.image for i in inputs])
+    images = torch.from_numpy(np.stack([i.image for i in inputs]))
     if predictor.task == "denoise":
         sigma = None if first.sigma is None else [i.sigma for i in inputs]
         pred = predictor.predict(images, sigma=sigma, solver=first.solver)
     elif predictor.task == "inpaint":
-        missing = torch.stack([i.missing for i in inputs])
+        missing = torch.from_numpy(np.stack([i.missing for i in inputs]))
         pred = predictor.predict(images, missing, solver=first.solver)
     else:
         pred = predictor.predict(images, threshold=first.threshold, solver=first.solver)
-    output = pred.output.float().cpu()
-    mask = pred.mask.cpu() if pred.mask is not None else None
+    output = pred.output.float().cpu().numpy()
+    mask = pred.mask.cpu().numpy().astype(np.float32) if pred.mask is not None else None
     stats = pred.stats
     iterations, residual, converged = (
         stats.iterations.tolist(),
@@ -86,7 +88,7 @@ def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solve
     threshold = pred.threshold.tolist() if pred.threshold is not None else [None] * len(inputs)
     solved = []
     for b, item in enumerate(inputs):
-        out = mask[b].float() if mask is not None and item.output == "mask" else output[b]
+        out = mask[b] if mask is not None and item.output == "mask" else output[b]
         solved.append(
             Solved(
                 out,
@@ -103,8 +105,8 @@ def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solve
 
 def warmup_input(task: str) -> TaskInput:
     """A small generated request for ``task`` that exercises the whole solve."""
-    gen = torch.Generator().manual_seed(0)
-    image = torch.rand(1, 32, 32, generator=gen)
+    rng = np.random.default_rng(0)
+    image = rng.random((1, 32, 32), dtype=np.float32)
     if task == "inpaint":
-        return TaskInput(image, missing=torch.rand(1, 32, 32, generator=gen) < 0.3)
+        return TaskInput(image, missing=rng.random((1, 32, 32)) < 0.3)
     return TaskInput(image)

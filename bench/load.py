@@ -1,0 +1,220 @@
+"""Serving overhead: a real server process under concurrent load vs the same predictor in process.
+
+    .venv/bin/python bench/load.py [--seconds 10] [--clients 1 4 16] [--sizes 256 512] [--seed 0]
+
+For each image size it measures, in this process, one request's work without
+HTTP — decode the PNG, ``predict`` a batch of one, encode the PNG — and the
+throughput of that loop; then it starts ``python -m service`` on loopback
+(CPU, default models, ``--batch`` as ``KDEQ_MAX_BATCH_SIZE``) and drives
+``/denoise`` with N client threads, each with its own keep-alive connection,
+for ``--seconds``. It prints throughput, p50 and p99 latency, and the ratios
+the service issue sets targets for: server throughput ÷ in-process throughput
+(≥ 0.8) and, at one client, request latency ÷ in-process decode + predict +
+encode (≤ 1.2). Clients and server share this machine's cores.
+
+Images: noisy (σ = 25, seeded) Set12 images from ``../shared/data`` (01–07 are
+256², 08–12 are 512²); generated ones when the data is absent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import io
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kdeq.cli import test_image  # noqa: E402
+from kdeq.repository import find_model, load_predictor  # noqa: E402
+from service.decode import decode_image  # noqa: E402
+from service.encode import encode_png  # noqa: E402
+
+SET12 = ROOT.parent / "shared" / "data" / "Set12"
+BOUNDARY = "kdeqbench"
+
+
+def images(size: int, seed: int) -> tuple[list[bytes], str]:
+    """Noisy PNGs of ``size``², and where they came from."""
+    files = sorted(SET12.glob("*.png")) if SET12.is_dir() else []
+    picked = [f for f in files if Image.open(f).size == (size, size)]
+    rng = np.random.default_rng(seed)
+    if picked:
+        clean = [np.asarray(Image.open(f).convert("L"), dtype=np.float64) / 255 for f in picked]
+        source = f"Set12 {', '.join(f.name for f in picked)}"
+    else:
+        clean = [test_image(size)[0, 0].double().numpy()]
+        source = "generated"
+    out = []
+    for c in clean:
+        noisy = np.clip(c + 25 / 255 * rng.standard_normal(c.shape), 0, 1)
+        buf = io.BytesIO()
+        Image.fromarray(np.round(noisy * 255).astype(np.uint8)).save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out, source
+
+
+def in_process(pngs: list[bytes], seconds: float) -> tuple[float, float, float]:
+    """(images/s of decode+predict+encode, mean seconds of that, mean seconds of predict alone)."""
+    model = load_predictor(find_model(ROOT / "models", "denoise-kglm"), "cpu")
+    full, predict = [], []
+    end = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < end or i < len(pngs):
+        t0 = time.perf_counter()
+        decoded = decode_image(pngs[i % len(pngs)], "image", 1 << 26)
+        t1 = time.perf_counter()
+        out = model.predict(torch.from_numpy(decoded.pixels[None])).output[0].numpy()
+        t2 = time.perf_counter()
+        encode_png(out, decoded.mode)
+        full.append(time.perf_counter() - t0)
+        predict.append(t2 - t1)
+        i += 1
+    return len(full) / sum(full), statistics.mean(full), statistics.mean(predict)
+
+
+def multipart(png: bytes) -> bytes:
+    head = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="x.png"\r\n'
+        "Content-Type: image/png\r\n\r\n"
+    ).encode()
+    return head + png + f"\r\n--{BOUNDARY}--\r\n".encode()
+
+
+def drive(
+    port: int, bodies: list[bytes], clients: int, seconds: float
+) -> tuple[int, float, list[float], int]:
+    """(completed, elapsed, latencies, errors) of ``clients`` threads posting for ``seconds``."""
+    latencies: list[float] = []
+    errors = 0
+    lock = threading.Lock()
+    start = time.monotonic()
+    stop = start + seconds
+
+    def client(k: int) -> None:
+        nonlocal errors
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+        i = k
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            conn.request("POST", "/denoise", body=bodies[i % len(bodies)], headers=headers)
+            resp = conn.getresponse()
+            resp.read()
+            with lock:
+                if resp.status == 200:
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+            i += clients
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(latencies), time.monotonic() - start, latencies, errors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, batch: int) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_")}
+    env.update(
+        KDEQ_PORT=str(port),
+        KDEQ_DEVICE="cpu",
+        KDEQ_LOG_LEVEL="warning",
+        KDEQ_MAX_BATCH_SIZE=str(batch),
+        KDEQ_QUEUE_SIZE="64",
+        KDEQ_DRAIN_SECONDS="0",
+        KDEQ_MODELS_DIR=str(ROOT / "models"),
+    )
+    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/readyz")
+            if conn.getresponse().status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--batch", type=int, default=8, help="KDEQ_MAX_BATCH_SIZE of the server")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), model denoise-kglm:1 on cpu, σ=25 estimated per image, "
+        f"seed {args.seed}, {args.seconds:g} s per point, server batch ≤ {args.batch}"
+    )
+    port = free_port()
+    server = start_server(port, args.batch)
+    rows = []
+    try:
+        for size in args.sizes:
+            pngs, source = images(size, args.seed)
+            bodies = [multipart(p) for p in pngs]
+            drive(port, bodies, 1, 1.0)  # warm the server's allocator for this size
+            rate, full, predict = in_process(pngs, args.seconds)
+            print(
+                f"\n{size}×{size} ({source}): in process {rate:.2f} img/s; decode+predict+encode "
+                f"{full * 1e3:.0f} ms (predict {predict * 1e3:.0f} ms)"
+            )
+            for clients in args.clients:
+                done, elapsed, lat, errors = drive(port, bodies, clients, args.seconds)
+                q = np.quantile(lat, [0.5, 0.99]) if lat else [float("nan")] * 2
+                thr = done / elapsed
+                row = (size, clients, thr, q[0], q[1], errors, thr / rate, q[0] / full)
+                rows.append(row)
+                print(
+                    f"  {clients:>2} clients: {thr:.2f} img/s ({thr / rate:.2f}× in process), "
+                    f"p50 {q[0] * 1e3:.0f} ms ({q[0] / full:.2f}× in-process request), "
+                    f"p99 {q[1] * 1e3:.0f} ms, "
+                    f"{errors} errors",
+                    flush=True,
+                )
+    finally:
+        server.terminate()
+        server.wait(60)
+    print(
+        "\n| size | clients | img/s | ÷ in-process img/s | p50 ms | p99 ms | p50 ÷ in-process request "
+        "| errors |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for size, clients, thr, p50, p99, errors, ratio, lat_ratio in rows:
+        print(
+            f"| {size}² | {clients} | {thr:.2f} | {ratio:.2f} | {p50 * 1e3:.0f} | {p99 * 1e3:.0f} | "
+            f"{lat_ratio:.2f} | {errors} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
