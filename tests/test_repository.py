@@ -17,7 +17,7 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one() -> None:
     assert len(commands) == 2 and all("\n" not in c for c in commands)
     ci_lines = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln and not ln.startswith("#")]
     assert commands[1] in ci_lines
-    assert "pytest" in commands[1] and "kdeq demo" in commands[0]
+    assert "pytest" in commands[1] and "kdeq serve" in commands[0]
 
 
 def test_readme_python_examples_run() -> None:
