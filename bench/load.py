@@ -4,13 +4,14 @@
 
 For each image size it measures, in this process, one request's work without
 HTTP — decode the PNG, ``predict`` a batch of one, encode the PNG — and the
-throughput of that loop; then it starts ``python -m service`` on loopback
-(CPU, default models, ``--batch`` as ``KDEQ_MAX_BATCH_SIZE``) and drives
-``/denoise`` with N client threads, each with its own keep-alive connection,
-for ``--seconds``. It prints throughput, p50 and p99 latency, and the ratios
-the service issue sets targets for: server throughput ÷ in-process throughput
-(≥ 0.8) and, at one client, request latency ÷ in-process decode + predict +
-encode (≤ 1.2). Clients and server share this machine's cores.
+throughput of that loop; then it starts ``python -m service`` on loopback (CPU,
+default models; ``--batch`` sets ``KDEQ_MAX_BATCH_SIZE``, else the service's
+default applies: 1 on a CPU) and drives ``/denoise`` with N client threads,
+each with its own keep-alive connection, for ``--seconds``. It prints
+throughput, p50 and p99 latency, and the ratios the service issue sets targets
+for: server throughput ÷ in-process throughput (≥ 0.8) and, at one client,
+request latency ÷ in-process decode + predict + encode (≤ 1.2). Clients and
+server share this machine's cores.
 
 Images: noisy (σ = 25, seeded) Set12 images from ``../shared/data`` (01–07 are
 256², 08–12 are 512²); generated ones when the data is absent.
@@ -86,6 +87,24 @@ def in_process(pngs: list[bytes], seconds: float) -> tuple[float, float, float]:
     return len(full) / sum(full), statistics.mean(full), statistics.mean(predict)
 
 
+def batch_cost(pngs: list[bytes], sizes: list[int], repeats: int = 3) -> dict[int, float]:
+    """Per-image ``predict`` time of a batch of ``B`` ÷ that of a batch of one, for each ``B``
+    (best of ``repeats``; the batch cycles through ``pngs``)."""
+    model = load_predictor(find_model(ROOT / "models", "denoise-kglm"), "cpu")
+    pixels = [decode_image(p, "image", 1 << 26).pixels for p in pngs]
+    per_image = {}
+    for b in sorted({1, *sizes}):
+        x = torch.from_numpy(np.stack([pixels[i % len(pixels)] for i in range(b)]))
+        model.predict(x)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.predict(x)
+            best = min(best, time.perf_counter() - t0)
+        per_image[b] = best / b
+    return {b: t / per_image[1] for b, t in per_image.items()}
+
+
 def multipart(png: bytes) -> bytes:
     head = (
         f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="image"; filename="x.png"\r\n'
@@ -136,17 +155,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, batch: int) -> subprocess.Popen:
+def start_server(port: int, batch: int | None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_")}
     env.update(
         KDEQ_PORT=str(port),
         KDEQ_DEVICE="cpu",
         KDEQ_LOG_LEVEL="warning",
-        KDEQ_MAX_BATCH_SIZE=str(batch),
         KDEQ_QUEUE_SIZE="64",
         KDEQ_DRAIN_SECONDS="0",
         KDEQ_MODELS_DIR=str(ROOT / "models"),
     )
+    if batch is not None:
+        env["KDEQ_MAX_BATCH_SIZE"] = str(batch)
     proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -167,13 +187,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
-    parser.add_argument("--batch", type=int, default=8, help="KDEQ_MAX_BATCH_SIZE of the server")
+    parser.add_argument("--batch", type=int, help="KDEQ_MAX_BATCH_SIZE of the server (default: its own)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[2, 4, 8], help="in-process batch costs"
+    )
     args = parser.parse_args()
     print(
         f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), model denoise-kglm:1 on cpu, σ=25 estimated per image, "
-        f"seed {args.seed}, {args.seconds:g} s per point, server batch ≤ {args.batch}"
+        f"seed {args.seed}, {args.seconds:g} s per point, server batch ≤ {args.batch or 'default (1 on CPU)'}"
     )
     port = free_port()
     server = start_server(port, args.batch)
@@ -187,6 +210,11 @@ def main() -> None:
             print(
                 f"\n{size}×{size} ({source}): in process {rate:.2f} img/s; decode+predict+encode "
                 f"{full * 1e3:.0f} ms (predict {predict * 1e3:.0f} ms)"
+            )
+            ratios = batch_cost(pngs, args.batch_sizes)
+            print(
+                "  in-process batch of B, per-image time ÷ batch of 1: "
+                + ", ".join(f"B={b} {r:.2f}×" for b, r in ratios.items())
             )
             for clients in args.clients:
                 done, elapsed, lat, errors = drive(port, bodies, clients, args.seconds)

@@ -32,6 +32,8 @@ RESIDUAL_BUCKETS = tuple(10.0**e for e in range(-10, 1))
 RESIDUAL_NONFINITE = 1e3
 ITERATION_LADDER = (1, 2, 3, 5, 8, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
 SIZE_BUCKETS = tuple(2.0**e for e in range(10, 31, 2))
+# fixed, not derived from the settings, so replicas configured differently aggregate
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 
 # the `_created` series double the exposition and no dashboard or alert here reads them
 disable_created_metrics()
@@ -75,7 +77,7 @@ class CudaMemoryCollector(Collector):
 class Metrics:
     """Every metric the service exports; ``render()`` is the ``/metrics`` body."""
 
-    def __init__(self, iteration_caps: Iterable[int], max_batch_size: int, devices: list[str]) -> None:
+    def __init__(self, iteration_caps: Iterable[int], devices: list[str]) -> None:
         from service import __version__
 
         r = self.registry = CollectorRegistry()
@@ -128,7 +130,7 @@ class Metrics:
             "kdeq_batch_size",
             "requests solved together in one batch",
             ["model"],
-            buckets=tuple(range(1, max_batch_size + 1)),
+            buckets=BATCH_BUCKETS,
             registry=r,
         )
         self.queue_depth = Gauge("kdeq_queue_depth", "requests waiting for a worker", registry=r)

@@ -52,7 +52,13 @@ class Settings(BaseModel):
         le=2**27,
         description="largest image, width × height, checked before decoding (413 above)",
     )
-    max_batch_size: int = Field(8, ge=1, le=256, description="most requests solved together in one batch")
+    max_batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="most requests solved together in one batch; unset: 8 on CUDA, 1 on the CPU "
+        "(on a CPU a batch is slower per image than single solves: 1.29× at 8 × 256², docs/BENCHMARKS.md)",
+    )
     max_batch_pixels: int = Field(
         8 * 2**20, ge=64, description="most pixels in one batch (bounds a batch's memory)"
     )
@@ -104,6 +110,12 @@ class Settings(BaseModel):
             return [f"cuda:{i}" for i in range(count)] or ["cpu"]
         return [str(resolve_device(d)) for d in self.device]
 
+    def batch_size(self) -> int:
+        """``max_batch_size``, or its default for the devices: 8 when they are CUDA devices, else 1."""
+        if self.max_batch_size is not None:
+            return self.max_batch_size
+        return 8 if all(d.startswith("cuda") for d in self.devices()) else 1
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str], **overrides: object) -> Settings:
         """Settings from the ``KDEQ_*`` variables of ``environ``, then ``overrides`` (e.g. CLI flags)."""
@@ -135,6 +147,6 @@ class Settings(BaseModel):
             elif isinstance(field.default, tuple):
                 default = f"`{','.join(field.default)}`" if field.default else "(all)"
             else:
-                default = "(none)" if field.default is None else f"`{field.default}`"
+                default = "(unset)" if field.default is None else f"`{field.default}`"
             rows.append((PREFIX + name.upper(), default, field.description or ""))
         return rows

@@ -31,12 +31,12 @@ class Service:
         self.settings = settings
         self.devices = settings.devices()
         self.registry = ModelRegistry(settings.models_dir, settings.models)
-        self.metrics = Metrics(self.registry.iteration_caps(), settings.max_batch_size, self.devices)
+        self.metrics = Metrics(self.registry.iteration_caps(), self.devices)
         self.engine = Engine(
             self._solve,
             self.metrics,
             queue_size=settings.queue_size,
-            max_batch_size=settings.max_batch_size,
+            max_batch_size=settings.batch_size(),
             max_batch_pixels=settings.max_batch_pixels,
             batch_wait_seconds=settings.batch_wait_seconds,
         )

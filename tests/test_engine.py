@@ -32,7 +32,7 @@ class Runner:
 
 
 def engine(runner: Runner, **kw) -> tuple[Engine, Metrics]:
-    metrics = Metrics([10], 8, ["cpu"])
+    metrics = Metrics([10], ["cpu"])
     opts = {"queue_size": 8, "max_batch_size": 8, "max_batch_pixels": 10_000, "batch_wait_seconds": 0.0}
     opts.update(kw)
     return Engine(runner, metrics, **opts), metrics

@@ -52,6 +52,11 @@ def test_invalid_settings_name_the_variable(env: dict, named: str) -> None:
         Settings.from_env(env)
 
 
+def test_default_batch_size_follows_the_device() -> None:
+    assert Settings.from_env({"KDEQ_DEVICE": "cpu"}).batch_size() == 1
+    assert Settings.from_env({"KDEQ_DEVICE": "cpu", "KDEQ_MAX_BATCH_SIZE": "4"}).batch_size() == 4
+
+
 def test_auto_device_is_the_cpu_without_cuda() -> None:
     import torch
 
