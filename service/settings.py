@@ -57,7 +57,7 @@ class Settings(BaseModel):
         ge=1,
         le=256,
         description="most requests solved together in one batch; unset: 8 on CUDA, 1 on the CPU "
-        "(on a CPU a batch is slower per image than single solves: 1.29× at 8 × 256², docs/BENCHMARKS.md)",
+        "(on a CPU a batch is slower per image than single solves; docs/BENCHMARKS.md)",
     )
     max_batch_pixels: int = Field(
         8 * 2**20, ge=64, description="most pixels in one batch (bounds a batch's memory)"
