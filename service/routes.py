@@ -211,10 +211,15 @@ async def _infer(
     return JSONResponse(body.model_dump(), headers=headers)
 
 
-def _accepting(request: Request, task: str, model: str | None) -> ModelSlot:
+def _admit(
+    request: Request, task: str, model: str | None, max_iter: int | None, tol: float | None
+) -> tuple[ModelSlot, SolverOverride | None, int]:
+    """Before decoding: 503 unless accepting, the model (400/404), the solver override (422), and
+    the pixel limit."""
     svc = _service(request)
     svc.check_accepting()
-    return svc.registry.resolve(task, model)
+    slot = svc.registry.resolve(task, model)
+    return slot, _override(slot, max_iter, tol), svc.settings.max_pixels
 
 
 def _read(upload: UploadFile) -> bytes:
@@ -250,9 +255,7 @@ async def denoise(
     tol: TolField = None,
 ) -> Response:
     """Denoise `image` with a Gaussian kGLM-DEQ; `sigma` is estimated per image when absent."""
-    slot = _accepting(request, "denoise", model)
-    override = _override(slot, max_iter, tol)
-    limit = _service(request).settings.max_pixels
+    slot, override, limit = _admit(request, "denoise", model, max_iter, tol)
 
     def make() -> tuple[TaskInput, DecodedImage]:
         decoded = decode_image(_read(image), "image", limit)
@@ -283,9 +286,7 @@ async def inpaint(
     tol: TolField = None,
 ) -> Response:
     """Fill the missing pixels of `image` (given by `mask`, or by a zero alpha channel)."""
-    slot = _accepting(request, "inpaint", model)
-    override = _override(slot, max_iter, tol)
-    limit = _service(request).settings.max_pixels
+    slot, override, limit = _admit(request, "inpaint", model, max_iter, tol)
 
     def make() -> tuple[TaskInput, DecodedImage]:
         decoded = decode_image(_read(image), "image", limit)
@@ -333,9 +334,7 @@ async def segment(
     tol: TolField = None,
 ) -> Response:
     """Segment `image` into foreground and background with kernel logistic regression."""
-    slot = _accepting(request, "segment", model)
-    override = _override(slot, max_iter, tol)
-    limit = _service(request).settings.max_pixels
+    slot, override, limit = _admit(request, "segment", model, max_iter, tol)
 
     def make() -> tuple[TaskInput, DecodedImage]:
         decoded = decode_image(_read(image), "image", limit)
