@@ -190,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument("--models-dir", default=models_dir)
 
     for plugin in entry_points(group="kdeq.commands"):
-        plugin.load()(sub)
+        try:
+            plugin.load()(sub)
+        except Exception as err:  # a broken plugin must not take the library's own commands down
+            print(f"kdeq: command {plugin.name!r} unavailable: {err}", file=sys.stderr)
 
     args = parser.parse_args(argv)
     if hasattr(args, "handler"):

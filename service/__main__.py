@@ -1,5 +1,5 @@
 """``python -m service``: the same as ``kdeq serve``."""
 
-from service.server import main
+from service.cli import main
 
 raise SystemExit(main())

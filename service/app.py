@@ -6,6 +6,7 @@ shutdown, finishes the queued requests before the workers end.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,7 +14,7 @@ from fastapi import FastAPI
 
 from service import __version__
 from service.errors import install_error_handlers
-from service.middleware import ApiKey, BodyLimit, RequestMetrics
+from service.middleware import Admission, ApiKey, BodyLimit, RequestMetrics
 from service.routes import router
 from service.settings import Settings
 from service.state import Service
@@ -31,7 +32,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.start()
         yield
-        service.stop()
+        await asyncio.to_thread(service.stop)
 
     app = FastAPI(title="kdeq", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.service = service
@@ -39,6 +40,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(router)
     # added innermost first: metrics see every response, including the key and size refusals
     app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes, metrics=service.metrics)
+    app.add_middleware(Admission, refusal=service.engine.refusal)
     key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app.add_middleware(ApiKey, key=key)
     app.add_middleware(RequestMetrics, metrics=service.metrics)

@@ -13,7 +13,8 @@ each other — measured 2× slower solves).
 The decoded image remembers its colour mode so the response can be encoded in
 the same one: ``L`` (grey, also from ``1``), ``I;16`` (16-bit grey, also from
 ``I``/``F``), ``RGB`` (also from ``P``, ``CMYK``, ``YCbCr``, …), ``LA``/``RGBA``
-(the alpha channel is kept aside, not denoised).
+(the alpha channel, or a PNG ``tRNS`` transparent colour, is kept aside, not
+denoised). Pillow reads 16-bit colour PNGs as 8-bit, so those come back 8-bit.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from service.errors import ApiError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "TIFF")
+# the service's own pixel limit (below) is the one that applies; set once, as warning filters are
+# process-wide and decoding runs on several threads
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N", "I", "F"}
 
 
@@ -39,13 +43,11 @@ class DecodedImage:
         pixels: ``(c, H, W)`` float32 array in [0, 1], ``c`` 1 (grey) or 3 (colour).
         alpha: ``(1, H, W)`` float32 array in [0, 1] when the file had transparency, else ``None``.
         mode: the PNG mode a response uses: ``L``, ``I;16``, ``RGB``, ``LA`` or ``RGBA``.
-        format: the file's format (one of ``FORMATS``).
     """
 
     pixels: np.ndarray
     alpha: np.ndarray | None
     mode: str
-    format: str
 
     @property
     def size(self) -> tuple[int, int]:
@@ -63,10 +65,7 @@ def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
     if not data:
         raise ApiError(400, "empty_file", f"`{field}` is empty")
     try:
-        with warnings.catch_warnings():
-            # the service's own limit (below) is the one that applies
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data), formats=FORMATS)
+        im = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError:
         raise ApiError(413, "too_many_pixels", f"`{field}` declares more than {max_pixels} pixels") from None
     except UnidentifiedImageError:
@@ -88,7 +87,6 @@ def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
 def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
     """Decode an upload; ``ApiError`` 400 (empty), 413 (pixels), 415 (format) or 422 (too small)."""
     im = _open(data, field, max_pixels)
-    fmt = im.format
     try:
         im = ImageOps.exif_transpose(im)
         im.load()
@@ -99,17 +97,17 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
         arr = np.asarray(im, dtype=np.float32)
         arr = arr if im.mode == "F" else arr / 65535.0
         pixels, mode = _planes(np.clip(np.nan_to_num(arr), 0.0, 1.0)), "I;16"
-    elif im.mode in {"1", "L"}:
+    elif im.mode in {"1", "L"} and not im.has_transparency_data:
         pixels, mode = _planes(np.asarray(im.convert("L")) / 255.0), "L"
-    elif im.mode in {"LA", "La"}:
+    elif im.mode in {"1", "L", "LA", "La"}:
         arr = np.asarray(im.convert("LA")) / 255.0
         pixels, alpha, mode = _planes(arr[..., 0]), _planes(arr[..., 1]), "LA"
-    elif im.mode in {"RGBA", "RGBa", "PA"} or (im.mode == "P" and "transparency" in im.info):
+    elif im.mode in {"RGBA", "RGBa", "PA"} or im.has_transparency_data:
         arr = np.asarray(im.convert("RGBA")) / 255.0
         pixels, alpha, mode = _planes(arr[..., :3]), _planes(arr[..., 3]), "RGBA"
     else:
         pixels, mode = _planes(np.asarray(im.convert("RGB")) / 255.0), "RGB"
-    return DecodedImage(pixels, alpha, mode, fmt)
+    return DecodedImage(pixels, alpha, mode)
 
 
 def decode_mask(data: bytes, field: str, size: tuple[int, int], max_pixels: int) -> np.ndarray:

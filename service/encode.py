@@ -58,4 +58,6 @@ def wants_json(accept: str | None) -> bool:
                 specificity = ranges.index(media)
                 if specificity > score[target][1]:
                     score[target] = (q, specificity)
+    if score[PNG][0] == 0 and score[PNG][1] >= 0 and score[JSON][1] < 0:
+        return True  # PNG explicitly refused (q=0) and JSON not mentioned: JSON is all that is left
     return score[JSON] > score[PNG]

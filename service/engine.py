@@ -29,6 +29,13 @@ log = logging.getLogger("kdeq.service")
 
 
 @dataclass(eq=False)
+class Ticket:
+    """A request announced by ``Engine.incoming``; ``used`` once it reached the queue (or gave up)."""
+
+    used: bool = False
+
+
+@dataclass(eq=False)
 class Job:
     """One request's work: ``payload`` for the batch runner, compatible jobs share ``batch_key``."""
 
@@ -97,36 +104,57 @@ class Engine:
 
     @property
     def depth(self) -> int:
+        """Requests waiting in the queue."""
         return len(self._queue)
 
+    @property
+    def alive(self) -> bool:
+        """Whether every worker thread is running."""
+        return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
     @contextlib.contextmanager
-    def incoming(self) -> Iterator[None]:
-        """Mark a request as on its way to the queue (being decoded), so batches wait for it."""
+    def incoming(self) -> Iterator[Ticket]:
+        """Mark a request as on its way to the queue (being decoded) until ``infer`` queues it with
+        this ticket, or the block ends; batches wait only while such requests exist."""
+        ticket = Ticket()
         with self._cond:
             self._incoming += 1
         try:
-            yield
+            yield ticket
         finally:
             with self._cond:
-                self._incoming -= 1
+                self._arrived(ticket)
                 self._cond.notify_all()
 
-    async def infer(self, job: Job) -> Any:
+    def _arrived(self, ticket: Ticket | None) -> None:
+        # called with the lock held, so a worker never sees the request neither incoming nor queued
+        if ticket is not None and not ticket.used:
+            ticket.used = True
+            self._incoming -= 1
+
+    def refusal(self) -> ApiError | None:
+        """The 503 a new request would get now (stopping, queue full), or ``None``; counted."""
+        if self._stopping or not self._threads:
+            reason = "draining" if self._stopping else "not_ready"
+            self.metrics.rejected.labels(reason).inc()
+            return ApiError(503, reason, "the inference engine is not running", {"Retry-After": "5"})
+        if len(self._queue) >= self.queue_size:
+            self.metrics.rejected.labels("queue_full").inc()
+            return ApiError(
+                503,
+                "queue_full",
+                f"the queue holds {self.queue_size} requests; retry shortly",
+                {"Retry-After": "1"},
+            )
+        return None
+
+    async def infer(self, job: Job, ticket: Ticket | None = None) -> Any:
         """Queue ``job`` and await its result; 503 when the queue is full, 504 past the deadline."""
         with self._cond:
-            if self._stopping or not self._threads:
-                self.metrics.rejected.labels("not_ready").inc()
-                raise ApiError(
-                    503, "unavailable", "the inference engine is not running", {"Retry-After": "5"}
-                )
-            if len(self._queue) >= self.queue_size:
-                self.metrics.rejected.labels("queue_full").inc()
-                raise ApiError(
-                    503,
-                    "queue_full",
-                    f"the queue holds {self.queue_size} requests; retry shortly",
-                    {"Retry-After": "1"},
-                )
+            self._arrived(ticket)
+            refusal = self.refusal()
+            if refusal is not None:
+                raise refusal
             job.enqueued_at = time.monotonic()
             self._queue.append(job)
             self.metrics.queue_depth.set(len(self._queue))
@@ -169,17 +197,28 @@ class Engine:
             batch = [job for job in batch if not job.future.done()]
             if not batch:
                 continue
-            start = time.monotonic()
-            for job in batch:
-                job.started_at, job.batch_size = start, len(batch)
-                self.metrics.queue_wait.labels(job.endpoint).observe(start - job.enqueued_at)
-            outcomes = self._run(device, batch)
-            elapsed = time.monotonic() - start
-            self.metrics.inference_duration.labels(batch[0].endpoint, batch[0].model).observe(elapsed)
-            self.metrics.batch_size.labels(batch[0].model).observe(len(batch))
+            try:
+                outcomes = self._solve(device, batch)
+            except Exception as err:  # a fault here must fail this batch, not end the worker
+                log.exception("worker %s failed on a batch of %d", device, len(batch))
+                outcomes = [err] * len(batch)
             for job, outcome in zip(batch, outcomes, strict=True):
                 with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
                     job.loop.call_soon_threadsafe(_deliver, job.future, outcome)
+
+    def _solve(self, device: str, batch: list[Job]) -> list[Any]:
+        start = time.monotonic()
+        for job in batch:
+            job.started_at, job.batch_size = start, len(batch)
+            self.metrics.queue_wait.labels(job.endpoint).observe(start - job.enqueued_at)
+        outcomes = self._run(device, batch)
+        if len(outcomes) != len(batch):
+            raise RuntimeError(f"the batch runner returned {len(outcomes)} results for {len(batch)} jobs")
+        self.metrics.inference_duration.labels(batch[0].endpoint, batch[0].model).observe(
+            time.monotonic() - start
+        )
+        self.metrics.batch_size.labels(batch[0].model).observe(len(batch))
+        return outcomes
 
     def _run(self, device: str, batch: list[Job]) -> list[Any]:
         """Results (or exceptions) per job; a failing batch is retried one job at a time, so one bad

@@ -50,6 +50,8 @@ STATUS_CODES = {
 
 # pydantic error types that mean "could not be read" (400) rather than "out of range" (422)
 MALFORMED = ("missing", "parsing", "_type", "json_invalid")
+# a file field sent as text is malformed, whatever pydantic calls the error
+FILE_FIELDS = ("image", "mask")
 
 ERROR_RESPONSES: dict[int | str, dict] = {
     400: {
@@ -77,8 +79,11 @@ def error_response(
 
 
 def _validation_status(err: RequestValidationError) -> int:
-    types = [e.get("type", "") for e in err.errors()]
-    return 400 if any(any(m in t for m in MALFORMED) for t in types) else 422
+    for e in err.errors():
+        loc = e.get("loc", ())
+        if any(m in e.get("type", "") for m in MALFORMED) or (loc and loc[-1] in FILE_FIELDS):
+            return 400
+    return 422
 
 
 def _describe(err: RequestValidationError) -> str:

@@ -1,7 +1,8 @@
-"""Small ASGI middlewares, each one concern: request metrics, the API key, the body-size limit.
+"""Small ASGI middlewares, each one concern: request metrics, the API key, admission, the body-size
+limit.
 
-They act before FastAPI reads a body, so an unauthenticated or oversized
-upload is refused without being read.
+They act before FastAPI reads a body, so an unauthenticated, unadmittable or
+oversized upload is refused without being read.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 INFERENCE_ROUTES = frozenset({"/denoise", "/inpaint", "/segment"})
-ROUTES = INFERENCE_ROUTES | {"/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/"}
+ROUTES = INFERENCE_ROUTES | {"/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
 
 
 def endpoint_label(scope: Scope) -> str:
@@ -103,6 +104,23 @@ class ApiKey:
                     f"API key {what}: send `Authorization: Bearer KEY` or `X-API-Key: KEY`",
                     {"WWW-Authenticate": 'Bearer realm="kdeq"'},
                 )
+                return
+        await self.app(scope, receive, send)
+
+
+class Admission:
+    """Refuses an inference request at once, before its upload is read, when ``refusal()`` says the
+    engine cannot take it now (not started, stopping, queue full): 503 with ``Retry-After``."""
+
+    def __init__(self, app: ASGIApp, refusal: Callable[[], ApiError | None]) -> None:
+        self.app = app
+        self.refusal = refusal
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") in INFERENCE_ROUTES and scope["method"] == "POST":
+            err = self.refusal()
+            if err is not None:
+                await _send_error(send, err.status_code, err.error, str(err.detail), dict(err.headers or {}))
                 return
         await self.app(scope, receive, send)
 

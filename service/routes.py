@@ -9,10 +9,12 @@ queued and solved (``service.engine`` → ``service.tasks``) and encoded
 from __future__ import annotations
 
 import base64
+import math
 import time
 from collections.abc import Callable
 from typing import Annotated, Literal
 
+import numpy as np
 from fastapi import APIRouter, Depends, File, Form, Request, Security, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
@@ -37,7 +39,7 @@ AUTH = [Security(HTTPBearer(auto_error=False)), Security(APIKeyHeader(name="X-AP
 
 class SolverInfo(BaseModel):
     iterations: int
-    residual: float
+    residual: float | None
     converged: bool
 
 
@@ -150,24 +152,24 @@ async def _infer(
 ) -> Response:
     svc = _service(request)
     start = time.monotonic()
-    with svc.engine.incoming():
+    with svc.engine.incoming() as ticket:
         try:
             task_input, decoded = await run_in_threadpool(make_input)
         except ApiError as err:
             if err.error == "too_many_pixels":
                 svc.metrics.rejected.labels("too_many_pixels").inc()
             raise
-    decoded_at = time.monotonic()
-    h, w = task_input.image.shape[-2:]
-    job = Job(
-        endpoint=endpoint,
-        model=slot.id,
-        batch_key=task_input.batch_key(slot.id),
-        payload=task_input,
-        pixels=h * w,
-        deadline=start + svc.settings.request_timeout_seconds,
-    )
-    solved: Solved = await svc.engine.infer(job)
+        decoded_at = time.monotonic()
+        h, w = task_input.image.shape[-2:]
+        job = Job(
+            endpoint=endpoint,
+            model=slot.id,
+            batch_key=task_input.batch_key(slot.id),
+            payload=task_input,
+            pixels=h * w,
+            deadline=start + svc.settings.request_timeout_seconds,
+        )
+        solved: Solved = await svc.engine.infer(job, ticket)
     done_at = time.monotonic()
     mode, alpha = output_mode(decoded)
     png = await run_in_threadpool(encode_png, solved.output, mode, alpha)
@@ -180,6 +182,7 @@ async def _infer(
         total_seconds=end - start,
     )
     headers = {
+        "Vary": "Accept",
         "X-KDEQ-Model": slot.id,
         "X-KDEQ-Iterations": str(solved.iterations),
         "X-KDEQ-Residual": f"{solved.residual:.3e}",
@@ -195,13 +198,15 @@ async def _infer(
         headers["X-KDEQ-Threshold"] = f"{solved.threshold:.4f}"
     if not wants_json(request.headers.get("accept")):
         return Response(png, media_type=PNG, headers=headers)
+    # JSON has no infinity: a diverged solve's residual is reported as null (the header says "inf")
+    residual = solved.residual if math.isfinite(solved.residual) else None
     body = Result(
         model=slot.id,
         image=base64.b64encode(png).decode(),
         width=w,
         height=h,
         mode=mode,
-        solver=SolverInfo(iterations=solved.iterations, residual=solved.residual, converged=solved.converged),
+        solver=SolverInfo(iterations=solved.iterations, residual=residual, converged=solved.converged),
         lam=solved.lam,
         sigma=solved.sigma,
         threshold=solved.threshold,
@@ -214,10 +219,9 @@ async def _infer(
 def _admit(
     request: Request, task: str, model: str | None, max_iter: int | None, tol: float | None
 ) -> tuple[ModelSlot, SolverOverride | None, int]:
-    """Before decoding: 503 unless accepting, the model (400/404), the solver override (422), and
-    the pixel limit."""
+    """Before decoding: the model (400/404), the solver override (422) and the pixel limit. (The
+    ``Admission`` middleware has refused already when the engine could not take the request.)"""
     svc = _service(request)
-    svc.check_accepting()
     slot = svc.registry.resolve(task, model)
     return slot, _override(slot, max_iter, tol), svc.settings.max_pixels
 
@@ -303,8 +307,10 @@ async def inpaint(
         return TaskInput(decoded.pixels, missing=missing, solver=override), decoded
 
     def mode(decoded: DecodedImage) -> tuple[str, object]:
-        # holes given by the alpha channel are filled, so the result is opaque there
-        return decoded.mode, decoded.alpha if mask is not None else None
+        if mask is not None or decoded.alpha is None:
+            return decoded.mode, decoded.alpha
+        # holes given by the alpha channel are filled, so they become opaque; the rest keeps its alpha
+        return decoded.mode, np.where(decoded.alpha == 0, np.float32(1), decoded.alpha)
 
     return await _infer(request, "/inpaint", slot, make, mode)
 

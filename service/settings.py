@@ -60,7 +60,7 @@ class Settings(BaseModel):
         "(on a CPU a batch is slower per image than single solves; docs/BENCHMARKS.md)",
     )
     max_batch_pixels: int = Field(
-        8 * 2**20, ge=64, description="most pixels in one batch (bounds a batch's memory)"
+        8 * 2**20, ge=64, description="most pixels in one batch (an image larger than this is solved alone)"
     )
     batch_wait_seconds: float = Field(
         0.005, ge=0, le=1, description="how long a batch waits for compatible requests to join it"
@@ -69,13 +69,18 @@ class Settings(BaseModel):
         64, ge=1, description="requests waiting for a worker; beyond it 503 with `Retry-After`"
     )
     request_timeout_seconds: float = Field(
-        60.0, gt=0, description="deadline from arrival to result; a request past it gets 504"
+        60.0,
+        gt=0,
+        description="deadline from the start of the request's handling (its upload read) to its result; "
+        "past it 504",
     )
     drain_seconds: float = Field(
         3.0, ge=0, description="after SIGTERM: time `/readyz` answers 503 while requests are still served"
     )
     api_key: SecretStr | None = Field(
-        None, description="when set, inference routes need `Authorization: Bearer` or `X-API-Key`"
+        None,
+        min_length=1,
+        description="when set, inference routes need `Authorization: Bearer` or `X-API-Key`",
     )
     warmup: bool = Field(True, description="run one prediction per model and device before ready")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")

@@ -12,6 +12,8 @@ import logging
 import threading
 from typing import Literal
 
+import torch
+
 from service.engine import Engine, Job
 from service.errors import ApiError
 from service.metrics import Metrics
@@ -41,6 +43,7 @@ class Service:
             batch_wait_seconds=settings.batch_wait_seconds,
         )
         self.phase: Phase = "starting"
+        self._phase_lock = threading.Lock()
         self._loader: threading.Thread | None = None
         for slot in self.registry.slots.values():
             self.metrics.model_ready.labels(slot.id).set(0)
@@ -59,8 +62,9 @@ class Service:
                 # a zero series from the start, so a non-convergence ratio is defined before the first miss
                 self.metrics.solver_nonconverged.labels(f"/{slot.task}", slot.id)
         self.engine.start(self.devices)
-        if self.phase == "starting":
-            self.phase = "ready"
+        with self._phase_lock:
+            if self.phase == "starting":
+                self.phase = "ready"
         ready = sum(s.ready for s in self.registry.slots.values())
         log.info("ready: %d of %d model(s) serving", ready, len(self.registry.slots))
 
@@ -73,35 +77,37 @@ class Service:
 
     def begin_drain(self) -> None:
         """Readiness turns 503; requests already admitted, and new ones during the drain, are served."""
-        if self.phase != "stopped":
-            self.phase = "draining"
-            log.info("draining: /readyz now answers 503")
+        with self._phase_lock:
+            if self.phase != "stopped":
+                self.phase = "draining"
+        log.info("draining: /readyz now answers 503")
 
     def stop(self) -> None:
-        """Finish the queued requests and end the workers."""
+        """Finish the queued requests and end the workers (a load still running is abandoned: its
+        workers, if it starts them, find the engine stopping and end at once)."""
         self.begin_drain()
-        self.wait_loaded()
         self.engine.stop()
-        self.phase = "stopped"
+        with self._phase_lock:
+            self.phase = "stopped"
 
     def readiness(self) -> str:
         """``ready``, ``starting``, ``draining``, ``stopped`` or ``no_models`` (none could be loaded)."""
         if self.phase == "ready" and not any(s.ready for s in self.registry.slots.values()):
             return "no_models"
+        if self.phase == "ready" and not self.engine.alive:
+            return "workers_down"
         return self.phase
-
-    def check_accepting(self) -> None:
-        """503 with ``Retry-After`` unless models are loaded and the process is not stopping."""
-        if self.phase == "starting":
-            self.metrics.rejected.labels("not_ready").inc()
-            raise ApiError(503, "not_ready", "models are still loading", {"Retry-After": "5"})
-        if self.phase == "stopped":
-            self.metrics.rejected.labels("draining").inc()
-            raise ApiError(503, "draining", "the service is shutting down", {"Retry-After": "1"})
 
     def _solve(self, device: str, jobs: list[Job]) -> list[Solved]:
         slot = self.registry.slots[jobs[0].model]
-        solved = solve_batch(slot.predictors[device], [job.payload for job in jobs])
+        try:
+            solved = solve_batch(slot.predictors[device], [job.payload for job in jobs])
+        except (torch.OutOfMemoryError, MemoryError):
+            raise ApiError(
+                503, "out_of_memory", f"not enough memory on {device} for this request", {"Retry-After": "5"}
+            ) from None
+        except ValueError as err:  # the model's own input checks: a request it cannot take
+            raise ApiError(422, "invalid_input", f"{slot.id}: {err}") from None
         for job, result in zip(jobs, solved, strict=True):
             self.metrics.observe_solve(
                 job.endpoint, job.model, result.iterations, result.residual, result.converged

@@ -77,9 +77,7 @@ class Server:
 
 
 @contextlib.contextmanager
-def run_server(
-    tmp: Path, command: tuple[str, ...] = ("service",), **settings: object
-) -> Iterator[Server]:
+def run_server(tmp: Path, command: tuple[str, ...] = ("service",), **settings: object) -> Iterator[Server]:
     """Start ``python -m <command>`` with ``KDEQ_<NAME>=value`` for each setting (CPU, defaults from
     ``models/``), wait until ``/readyz`` is 200; kill it afterwards if it is still running."""
     port = free_port()

@@ -140,12 +140,11 @@ def test_a_batch_waits_for_requests_still_being_decoded() -> None:
     eng, _ = engine(runner, batch_wait_seconds=1.0)
 
     async def scenario():
-        with eng.incoming():
+        with eng.incoming() as ticket:
             a = asyncio.create_task(eng.infer(job("a1")))
             await asyncio.sleep(0.1)  # the worker holds a1, waiting for this request to be queued
-            b = asyncio.create_task(eng.infer(job("a2")))
-            await asyncio.sleep(0)
-        return await asyncio.gather(a, b)
+            b = asyncio.create_task(eng.infer(job("a2"), ticket))
+            return await asyncio.gather(a, b)
 
     start = time.monotonic()
     assert run(scenario, eng) == ["a1@cpu", "a2@cpu"]
@@ -153,13 +152,43 @@ def test_a_batch_waits_for_requests_still_being_decoded() -> None:
     assert time.monotonic() - start < 1.0  # it stopped waiting once nothing more was incoming
 
 
-def test_stopped_engine_refuses() -> None:
+def test_an_engine_not_started_or_stopping_refuses() -> None:
     runner = Runner()
+    eng, metrics = engine(runner)
+
+    async def scenario():
+        with pytest.raises(ApiError) as before:
+            await eng.infer(job("x"))
+        eng.start(["cpu"])
+        await asyncio.to_thread(eng.stop)
+        with pytest.raises(ApiError) as after:
+            await eng.infer(job("y"))
+        return before.value, after.value
+
+    before, after = asyncio.run(scenario())
+    assert (before.status_code, before.error, after.status_code, after.error) == (
+        503,
+        "not_ready",
+        503,
+        "draining",
+    )
+    text = metrics.render().decode()
+    assert 'reason="not_ready"} 1.0' in text and 'reason="draining"} 1.0' in text
+
+
+def test_a_fault_outside_the_runner_fails_the_batch_not_the_worker() -> None:
+    calls = []
+
+    def runner(device, jobs):
+        calls.append(len(jobs))
+        return [] if jobs[0].payload == "short" else [j.payload for j in jobs]
+
     eng, _ = engine(runner)
 
     async def scenario():
-        with pytest.raises(ApiError) as err:
-            await eng.infer(job("x"))
-        return err.value.status_code
+        with pytest.raises(RuntimeError, match="0 results for 1 jobs"):
+            await eng.infer(job("short"))
+        assert eng.alive
+        return await eng.infer(job("fine"))
 
-    assert asyncio.run(scenario()) == 503
+    assert run(scenario, eng) == "fine"

@@ -176,15 +176,28 @@ def test_inpaint_fills_missing_pixels_and_keeps_the_rest(client: TestClient) -> 
 
 def test_inpaint_reads_holes_from_the_alpha_channel(client: TestClient) -> None:
     rgb = to_uint8(np.stack([smooth_image(40, 40, s) for s in range(3)], -1))
-    alpha = np.full((40, 40), 255, np.uint8)
+    alpha = np.full((40, 40), 200, np.uint8)
     alpha[10:20, 15:30] = 0
     r = client.post("/inpaint", files={"image": encode(np.dstack([rgb, alpha]))})
     out = np.asarray(decode(r.content))
     assert r.status_code == 200 and out.shape == (40, 40, 4)
-    assert (out[..., 3] == 255).all()  # the holes are filled, so the result is opaque
+    # the holes are filled, so they become opaque; the rest keeps its alpha
+    assert (out[10:20, 15:30, 3] == 255).all() and (out[..., 3][alpha > 0] == 200).all()
     err = np.abs(out[10:20, 15:30, :3].astype(float) - rgb[10:20, 15:30]).mean()
     flat = np.abs(rgb[alpha > 0].mean(0) - rgb[10:20, 15:30]).mean()  # holes filled with the mean colour
     assert err < 0.5 * flat
+
+
+def test_png_transparency_chunk_is_an_alpha_channel(client: TestClient) -> None:
+    grey = to_uint8(smooth_image(32, 32))
+    grey[grey == grey[8, 8]] = 1
+    grey[4:12, 4:12] = 0
+    im = Image.fromarray(grey)
+    png = encode(im, transparency=0)  # a tRNS chunk: grey 0 is transparent
+    r = client.post("/inpaint", files={"image": png})
+    out = np.asarray(decode(r.content))
+    assert r.status_code == 200 and decode(r.content).mode == "LA"
+    assert (out[4:12, 4:12, 1] == 255).all() and (out[4:12, 4:12, 0] > 0).all()
 
 
 def test_segment_mask_and_probability(client: TestClient) -> None:
@@ -273,6 +286,12 @@ def test_formats_outside_the_allow_list_and_truncated_files(client: TestClient) 
         data = encode(im, fmt)
         assert client.post("/denoise", files={"image": data}).status_code == 200, fmt
         assert_error(client.post("/denoise", files={"image": data[: len(data) // 2]}), 415)
+
+
+def test_a_file_field_sent_as_text_is_malformed(client: TestClient) -> None:
+    assert_error(client.post("/denoise", data={"image": "not a file"}), 400)
+    r = client.post("/inpaint", files={"image": grey_png()[0]}, data={"mask": "nope"})
+    assert_error(r, 400)
 
 
 def test_duplicate_fields_are_refused(client: TestClient) -> None:

@@ -45,6 +45,7 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
         ({"KDEQ_DEVICE": "auto,cpu"}, "KDEQ_DEVICE"),
         ({"KDEQ_LOG_LEVEL": "loud"}, "KDEQ_LOG_LEVEL"),
         ({"KDEQ_REQUEST_TIMEOUT_SECONDS": "-1"}, "KDEQ_REQUEST_TIMEOUT_SECONDS"),
+        ({"KDEQ_API_KEY": ""}, "KDEQ_API_KEY"),  # an empty key must not silently turn auth off
     ],
 )
 def test_invalid_settings_name_the_variable(env: dict, named: str) -> None:
@@ -84,6 +85,7 @@ def test_readme_documents_every_setting() -> None:
         ("image/png, application/json", False),
         ("image/png;q=0.5, application/json", True),
         ("application/*", True),
+        ("image/png;q=0", True),
         ("text/html", False),
     ],
 )
