@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/load.py [--seconds 10] [--clients 1 4 16] [--sizes 256 512] [--seed 0]
 
-For each image size it measures, in this process, one request's work without
-HTTP — decode the PNG, ``predict`` a batch of one, encode the PNG — and the
-throughput of that loop; then it starts ``python -m service`` on loopback (CPU,
-default models; ``--batch`` sets ``KDEQ_MAX_BATCH_SIZE``, else the service's
-default applies: 1 on a CPU) and drives ``/denoise`` with N client threads,
-each with its own keep-alive connection, for ``--seconds``. It prints
+It starts ``python -m service`` on loopback (CPU, default models; ``--batch``
+sets ``KDEQ_MAX_BATCH_SIZE``, else the service's default applies: 1 on a CPU).
+For each image size and client count it first measures, in this process, one
+request's work without HTTP — decode the PNG, ``predict`` a batch of one,
+encode the PNG — and the throughput of that loop for ``--seconds``, then
+drives ``/denoise`` with N client threads, each with its own keep-alive
+connection, for ``--seconds``; each ratio pairs the two adjacent measurements. It prints
 throughput, p50 and p99 latency, and the ratios the service issue sets targets
 for: server throughput ÷ in-process throughput (≥ 0.8) and, at one client,
 request latency ÷ in-process decode + predict + encode (≤ 1.2). Clients and
@@ -214,41 +215,38 @@ def main() -> None:
             pngs, source = images(size, args.seed)
             bodies = [multipart(p) for p in pngs]
             drive(port, bodies, 1, 1.0)  # warm the server's allocator for this size
-            rate, full, predict = in_process(pngs, args.seconds)
-            print(
-                f"\n{size}×{size} ({source}): in process {rate:.2f} img/s; decode+predict+encode "
-                f"{full * 1e3:.0f} ms (predict {predict * 1e3:.0f} ms)"
-            )
+            print(f"\n{size}×{size} ({source})")
             ratios = batch_cost(pngs, args.batch_sizes)
             print(
                 "  in-process batch of B, per-image time ÷ batch of 1: "
                 + ", ".join(f"B={b} {r:.2f}×" for b, r in ratios.items())
             )
             for clients in args.clients:
+                # the in-process baseline is measured right before each server point: the machine drifts
+                rate, full, predict = in_process(pngs, args.seconds)
                 done, elapsed, lat, errors = drive(port, bodies, clients, args.seconds)
                 q = np.quantile(lat, [0.5, 0.99]) if lat else [float("nan")] * 2
                 thr = done / elapsed
-                row = (size, clients, thr, q[0], q[1], errors, thr / rate, q[0] / full)
-                rows.append(row)
+                rows.append((size, clients, rate, full, thr, q[0], q[1], errors))
                 print(
-                    f"  {clients:>2} clients: {thr:.2f} img/s ({thr / rate:.2f}× in process), "
-                    f"p50 {q[0] * 1e3:.0f} ms ({q[0] / full:.2f}× in-process request), "
-                    f"p99 {q[1] * 1e3:.0f} ms, "
-                    f"{errors} errors",
+                    f"  in process {rate:.2f} img/s, decode+predict+encode {full * 1e3:.0f} ms "
+                    f"(predict {predict * 1e3:.0f} ms); {clients:>2} clients: {thr:.2f} img/s "
+                    f"({thr / rate:.2f}×), p50 {q[0] * 1e3:.0f} ms ({q[0] / full:.2f}×), "
+                    f"p99 {q[1] * 1e3:.0f} ms, {errors} errors",
                     flush=True,
                 )
     finally:
         server.terminate()
         server.wait(60)
     print(
-        "\n| size | clients | img/s | ÷ in-process img/s | p50 ms | p99 ms | p50 ÷ in-process request "
-        "| errors |"
+        "\n| size | clients | in-process img/s | server img/s | ratio | in-process request ms | p50 ms "
+        "| p50 ratio | p99 ms | errors |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for size, clients, thr, p50, p99, errors, ratio, lat_ratio in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for size, clients, rate, full, thr, p50, p99, errors in rows:
         print(
-            f"| {size}² | {clients} | {thr:.2f} | {ratio:.2f} | {p50 * 1e3:.0f} | {p99 * 1e3:.0f} | "
-            f"{lat_ratio:.2f} | {errors} |"
+            f"| {size}² | {clients} | {rate:.2f} | {thr:.2f} | {thr / rate:.2f} | {full * 1e3:.0f} | "
+            f"{p50 * 1e3:.0f} | {p50 / full:.2f} | {p99 * 1e3:.0f} | {errors} |"
         )
 
 
