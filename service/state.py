@@ -78,9 +78,11 @@ class Service:
     def begin_drain(self) -> None:
         """Readiness turns 503; requests already admitted, and new ones during the drain, are served."""
         with self._phase_lock:
-            if self.phase != "stopped":
+            changed = self.phase not in ("draining", "stopped")
+            if changed:
                 self.phase = "draining"
-        log.info("draining: /readyz now answers 503")
+        if changed:
+            log.info("draining: /readyz now answers 503")
 
     def stop(self) -> None:
         """Finish the queued requests and end the workers (a load still running is abandoned: its

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Build the Dockerfile with podman and check the container: /readyz, a /denoise round trip, the
+# health check, the non-root user, the models volume, the absence of benchmark files, and a clean
+# SIGTERM drain. For machines with no image registry: the base image is bootstrapped from Debian's
+# packages and the Python packages come from a wheelhouse filled on the host (the Dockerfile's
+# offline path). Needs root, podman, runc and debootstrap (apt-get install podman runc debootstrap).
+#
+#   deploy/test-image.sh [WORKDIR]      (default /tmp/kdeq-image; the base image is cached there)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+work=${1:-/tmp/kdeq-image}
+port=${KDEQ_TEST_PORT:-18080}
+mkdir -p "$work"
+
+# podman here: runc (crun's rlimit calls are refused), no default ulimits, vfs storage (no overlay
+# inside this sandbox); the build uses --format docker, which keeps HEALTHCHECK (OCI images have none)
+cat > "$work/containers.conf" <<'EOF'
+[containers]
+default_ulimits = []
+[engine]
+runtime = "runc"
+EOF
+cat > "$work/storage.conf" <<EOF
+[storage]
+driver = "vfs"
+runroot = "$work/run"
+graphroot = "$work/storage"
+EOF
+export CONTAINERS_CONF="$work/containers.conf" CONTAINERS_STORAGE_CONF="$work/storage.conf"
+
+step() { printf '\n== %s\n' "$*"; }
+
+if ! podman image exists localhost/kdeq-base:bookworm; then
+  step "bootstrapping a Debian bookworm base image (python3, venv, pip)"
+  rm -rf "$work/rootfs"
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+    bookworm "$work/rootfs" >"$work/debootstrap.log" 2>&1
+  tar -C "$work/rootfs" -c . | podman import - localhost/kdeq-base:bookworm >/dev/null
+  rm -rf "$work/rootfs"
+fi
+
+step "filling wheelhouse/ on the host (torch from its local CPU wheel)"
+python3 -m venv "$work/venv" >/dev/null
+"$work/venv/bin/pip" download -q -d wheelhouse -c constraints.txt torch==2.13.0 \
+  numpy pillow pydantic safetensors fastapi uvicorn python-multipart prometheus-client \
+  "setuptools>=68" wheel
+ls wheelhouse/*.whl | wc -l | xargs echo "wheels:"
+
+step "podman build (host network, chroot isolation, offline)"
+start=$(date +%s)
+podman build --format docker --network host --isolation chroot \
+  --build-arg BASE_IMAGE=localhost/kdeq-base:bookworm -t localhost/kdeq:test . >"$work/build.log" 2>&1 \
+  || { tail -40 "$work/build.log"; exit 1; }
+echo "built in $(( $(date +%s) - start )) s; image $(podman image inspect localhost/kdeq:test --format '{{.Size}}' | numfmt --to=iec)"
+
+step "run"
+podman rm -f kdeq-test >/dev/null 2>&1 || true
+podman run -d --name kdeq-test --network host -e KDEQ_PORT="$port" -e KDEQ_DRAIN_SECONDS=1 \
+  localhost/kdeq:test >/dev/null
+for _ in $(seq 1 120); do
+  if curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1; then break; fi
+  sleep 1
+done
+echo "readyz: $(curl -sS "http://127.0.0.1:$port/readyz")"
+
+step "denoise round trip"
+python3 - "$port" <<'EOF'
+import io, json, sys, urllib.request, uuid
+import zlib, struct
+port = sys.argv[1]
+w, h = 64, 48
+rows = b"".join(b"\x00" + bytes((x * 3 + y * 5 + (x * y) % 17) % 256 for x in range(w)) for y in range(h))
+def chunk(kind, data):
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0)) \
+    + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+boundary = uuid.uuid4().hex
+body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"image\"; filename=\"x.png\"\r\n"
+        f"Content-Type: image/png\r\n\r\n").encode() + png + f"\r\n--{boundary}--\r\n".encode()
+req = urllib.request.Request(f"http://127.0.0.1:{port}/denoise", data=body,
+                             headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    out = r.read()
+    headers = {k: v for k, v in r.headers.items() if k.lower().startswith("x-kdeq")}
+    assert r.status == 200 and out[:8] == b"\x89PNG\r\n\x1a\n", r.status
+    width, height = struct.unpack(">II", out[16:24])
+    assert (width, height) == (w, h), (width, height)
+print(f"200 image/png {width}x{height}, {json.dumps(headers)}")
+EOF
+
+step "container facts"
+echo "user: $(podman exec kdeq-test id -u) ($(podman exec kdeq-test id -un))"
+echo "health check: $(podman healthcheck run kdeq-test >/dev/null 2>&1 && echo healthy || echo unhealthy)"
+echo "models: $(podman exec kdeq-test sh -c 'ls /models | tr "\n" " "')"
+echo "volumes: $(podman image inspect localhost/kdeq:test --format '{{json .Config.Volumes}}')"
+echo "project benchmark/test files or research images in the image: $(podman exec kdeq-test sh -c \
+  'find / -xdev \( -path "*/site-packages/bench" -o -path "*/site-packages/tests" -o -name baselines.py \
+     -o -name "Set12" -o -name "BSD68" -o -name "CBSD68" -o -name "Kodak24" -o -name "Train400" \) \
+     -print 2>/dev/null | wc -l')"
+echo "metrics families: $(curl -sS "http://127.0.0.1:$port/metrics" | grep -c '^# TYPE kdeq_')"
+
+step "SIGTERM: drain and exit"
+podman stop -t 30 kdeq-test >/dev/null
+echo "exit code: $(podman inspect kdeq-test --format '{{.State.ExitCode}}')"
+podman logs kdeq-test 2>&1 | grep -E "draining|Shutting down|Finished server process" | sed 's/^/  /'
+podman rm -f kdeq-test >/dev/null
+echo
+echo "image test passed"
