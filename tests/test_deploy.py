@@ -31,16 +31,18 @@ def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def local_prometheus_config(tmp_path: Path, target: str = "127.0.0.1:8000", interval: str = "15s") -> Path:
-    """The repository's ``prometheus.yml`` with its targets rewritten to ``target`` on loopback and its
-    rule files read from the repository."""
+def local_prometheus_config(
+    tmp_path: Path, targets: tuple[str, ...] = ("127.0.0.1:8000",), interval: str = "15s"
+) -> Path:
+    """The repository's ``prometheus.yml`` with the kdeq job's targets rewritten to ``targets`` on
+    loopback (where Docker's DNS would list the replicas) and its rule files read from the repository."""
     config = yaml.safe_load((PROM / "prometheus.yml").read_text())
     config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = interval
     config["rule_files"] = [str(PROM / "rules" / "*.yml")]
     for job in config["scrape_configs"]:
         if job["job_name"] == "kdeq":
             del job["dns_sd_configs"]
-            job["static_configs"] = [{"targets": [target]}]
+            job["static_configs"] = [{"targets": list(targets)}]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -50,12 +50,12 @@ def query(prom: str, expr: str) -> list:
 
 
 @contextlib.contextmanager
-def prometheus(tmp_path, target: str):
+def prometheus(tmp_path, targets: tuple[str, ...]):
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("prometheus not installed (Debian package prometheus; .ci/run installs it)")
     port = free_port()
-    config = local_prometheus_config(tmp_path, target, interval="1s")
+    config = local_prometheus_config(tmp_path, targets, interval="1s")
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [
@@ -100,15 +100,19 @@ def deploy_expressions() -> dict[str, str]:
 
 
 def test_every_dashboard_and_rule_expression_returns_data(tmp_path) -> None:
+    # two replicas, as `docker compose up --scale kdeq=2` gives, scraped by one Prometheus
     with (
         run_server(tmp_path, queue_size=1) as server,
-        prometheus(tmp_path, server.url.split("//")[1]) as prom,
+        run_server(tmp_path) as replica,
+        prometheus(tmp_path, tuple(s.url.split("//")[1] for s in (server, replica))) as prom,
     ):
         # scrapes before the traffic, so every rate() has a baseline
         deadline = time.monotonic() + 30
-        while not query(prom, 'up{job="kdeq"} == 1') and time.monotonic() < deadline:
+        while len(query(prom, 'up{job="kdeq"} == 1')) < 2 and time.monotonic() < deadline:
             time.sleep(0.5)
         traffic(server.url)
+        small = encode(to_uint8(smooth_image(32, 32)))
+        assert httpx.post(replica.url + "/denoise", files={"image": small}, timeout=60).is_success
         time.sleep(6)  # several scrapes and rule evaluations after the traffic
         exposition = httpx.get(server.url + "/metrics").text
         exprs = deploy_expressions()
@@ -129,6 +133,11 @@ def test_every_dashboard_and_rule_expression_returns_data(tmp_path) -> None:
         missing = {m for m in used if m not in exported and not (m.startswith(CUDA_PREFIX) and m in cuda)}
         assert not missing, missing
         assert {m for m in used if m.startswith(CUDA_PREFIX)} <= cuda
+
+        # both replicas are scraped and the dashboard's aggregations span them
+        assert len(query(prom, 'up{job="kdeq"} == 1')) == 2
+        per_instance = query(prom, 'sum by (instance) (kdeq_http_requests_total{endpoint="/denoise"})')
+        assert len(per_instance) == 2
 
         # the alerts that this traffic must not trip are quiet, and the rules are loaded and healthy
         rules = httpx.get(prom + "/api/v1/rules").json()["data"]["groups"]
