@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import runpy
 import subprocess
 from pathlib import Path
 
@@ -207,18 +208,10 @@ def test_dashboard_follows_grafanas_schema_and_the_provisioned_datasource() -> N
     assert dashboards["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
 
 
-def test_committed_dashboard_is_the_generators_output(tmp_path) -> None:
-    done = run(
-        "python3",
-        "-c",
-        (
-            "import json, runpy, sys; ns = runpy.run_path(sys.argv[1]); "
-            "print(json.dumps(ns['dashboard'](), indent=2, ensure_ascii=False))"
-        ),
-        str(DEPLOY / "grafana" / "dashboard.py"),
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == (DEPLOY / "grafana" / "dashboards" / "kdeq.json").read_text()
+def test_committed_dashboard_is_the_generators_output() -> None:
+    generator = runpy.run_path(str(DEPLOY / "grafana" / "dashboard.py"))
+    expected = json.dumps(generator["dashboard"](), indent=2, ensure_ascii=False) + "\n"
+    assert (DEPLOY / "grafana" / "dashboards" / "kdeq.json").read_text() == expected
 
 
 # --- image -----------------------------------------------------------------------------------
