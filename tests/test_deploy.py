@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import runpy
+import shutil
 import subprocess
 from pathlib import Path
 
