@@ -3,7 +3,7 @@
 Only PNG, JPEG, WebP and TIFF decoders are ever consulted. The pixel limit is
 checked from the header, before any pixel is decoded, so a small file that
 claims a huge image (a decompression bomb) costs nothing. EXIF orientation is
-applied; the first frame of a multi-frame file is used.
+applied; a multi-frame file (animated WebP, multi-page TIFF) is refused.
 
 Decoding is numpy-only: torch runs on the inference workers alone, so its
 OpenMP pool has a single master thread (each extra thread that calls torch
@@ -81,6 +81,10 @@ def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
         )
     if width < 2 or height < 2:
         raise ApiError(422, "image_too_small", f"`{field}` is {width}×{height}; at least 2×2 pixels")
+    frames = getattr(im, "n_frames", 1)
+    if frames > 1:
+        # which frame was meant is not ours to guess, and dropping the others would lose data
+        raise ApiError(422, "multi_frame", f"`{field}` has {frames} frames; send a single-frame image")
     return im
 
 

@@ -8,6 +8,10 @@ same ``batch_key`` (same model, image shape and batch-wide options) up to
 ``batch_wait_seconds`` for more only while other requests are still being
 decoded (``incoming``), since otherwise nothing can join. Blocking torch work
 runs only on the workers, never on the event loop.
+
+When the runner refuses a batch with a 503 (the device ran out of memory), the
+batch's requests get that 503 and the batch limit halves; it grows back by one
+after ``RECOVERY_BATCHES`` full batches succeed at the lower limit.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from service.errors import ApiError
 from service.metrics import Metrics
 
 log = logging.getLogger("kdeq.service")
+
+RECOVERY_BATCHES = 20
 
 
 @dataclass(eq=False)
@@ -83,6 +89,9 @@ class Engine:
         self._incoming = 0
         self._stopping = False
         self._threads: list[threading.Thread] = []
+        self.batch_limit = max_batch_size
+        self._streak = 0
+        metrics.batch_limit.set(max_batch_size)
 
     def start(self, devices: Sequence[str]) -> None:
         """Start one worker thread per device."""
@@ -178,15 +187,16 @@ class Engine:
             first = self._queue.popleft()
             batch, pixels = [first], first.pixels
             wait_until = time.monotonic() + self.batch_wait
-            while len(batch) < self.max_batch_size:
+            limit = self.batch_limit
+            while len(batch) < limit:
                 for job in list(self._queue):
                     fits = pixels + job.pixels <= self.max_batch_pixels
-                    if job.batch_key == first.batch_key and fits and len(batch) < self.max_batch_size:
+                    if job.batch_key == first.batch_key and fits and len(batch) < limit:
                         self._queue.remove(job)
                         batch.append(job)
                         pixels += job.pixels
                 remaining = wait_until - time.monotonic()
-                if len(batch) >= self.max_batch_size or self._incoming == 0 or remaining <= 0:
+                if len(batch) >= limit or self._incoming == 0 or remaining <= 0:
                     break
                 self._cond.wait(remaining)
             self.metrics.queue_depth.set(len(self._queue))
@@ -224,12 +234,35 @@ class Engine:
         """Results (or exceptions) per job; a failing batch is retried one job at a time, so one bad
         request cannot fail the others."""
         try:
-            return list(self.run_batch(device, batch))
+            outcomes = list(self.run_batch(device, batch))
         except Exception as err:
+            if isinstance(err, ApiError) and err.status_code == 503:  # the device could not take it
+                self._back_off(len(batch), err)
+                return [err] * len(batch)
             if len(batch) == 1:
                 return [err]
             log.warning("batch of %d failed (%s); retrying each request alone", len(batch), err)
             return [self._run(device, [job])[0] for job in batch]
+        self._recover(len(batch))
+        return outcomes
+
+    def _back_off(self, size: int, err: ApiError) -> None:
+        with self._cond:
+            self.batch_limit = max(1, min(self.batch_limit, size // 2))
+            self._streak = 0
+        self.metrics.batch_limit.set(self.batch_limit)
+        log.warning("a batch of %d was refused (%s); batch limit now %d", size, err.detail, self.batch_limit)
+
+    def _recover(self, size: int) -> None:
+        with self._cond:
+            if self.batch_limit >= self.max_batch_size or size < self.batch_limit:
+                return
+            self._streak += 1
+            if self._streak < RECOVERY_BATCHES:
+                return
+            self.batch_limit += 1
+            self._streak = 0
+        self.metrics.batch_limit.set(self.batch_limit)
 
 
 def _deliver(future: asyncio.Future, outcome: Any) -> None:

@@ -134,6 +134,11 @@ class Metrics:
             registry=r,
         )
         self.queue_depth = Gauge("kdeq_queue_depth", "requests waiting for a worker", registry=r)
+        self.batch_limit = Gauge(
+            "kdeq_batch_size_limit",
+            "current batch size limit (halved after out-of-memory, regrown)",
+            registry=r,
+        )
         self.in_flight = Gauge(
             "kdeq_requests_in_flight",
             "inference requests being decoded, queued, solved or encoded",

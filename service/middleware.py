@@ -23,6 +23,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 INFERENCE_ROUTES = frozenset({"/denoise", "/inpaint", "/segment"})
+# the API key guards these; health, readiness and metrics stay open for probes and scrapers
+PROTECTED_ROUTES = INFERENCE_ROUTES | {"/models"}
 ROUTES = INFERENCE_ROUTES | {"/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
 
 
@@ -81,7 +83,7 @@ class RequestMetrics:
 
 
 class ApiKey:
-    """When a key is configured, inference routes need ``Authorization: Bearer KEY`` or
+    """When a key is configured, ``PROTECTED_ROUTES`` need ``Authorization: Bearer KEY`` or
     ``X-API-Key: KEY`` (compared in constant time); other routes stay open."""
 
     def __init__(self, app: ASGIApp, key: str | None) -> None:
@@ -89,7 +91,7 @@ class ApiKey:
         self.key = key.encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.key is not None and scope.get("path") in INFERENCE_ROUTES:
+        if scope["type"] == "http" and self.key is not None and scope.get("path") in PROTECTED_ROUTES:
             supplied = _header(scope, b"x-api-key")
             auth = _header(scope, b"authorization")
             if supplied is None and auth is not None:

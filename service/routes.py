@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from kdeq.predictor import SolverOverride
 from service.decode import DecodedImage, decode_image, decode_mask
-from service.encode import JSON, PNG, encode_png, wants_json
+from service.encode import PNG, encode_png, wants_json
 from service.engine import Job
 from service.errors import ERROR_RESPONSES, ApiError
 from service.registry import ModelSlot
@@ -94,10 +94,8 @@ PNG_AND_JSON = {
     200: {
         "description": "the result as a PNG (default) or, with `Accept: application/json`, as JSON with "
         "the PNG in base64; solver statistics in the `X-KDEQ-*` headers either way",
-        "content": {
-            PNG: {"schema": {"type": "string", "format": "binary"}},
-            JSON: {"schema": Result.model_json_schema()},
-        },
+        "model": Result,  # the application/json body, as a schema component
+        "content": {PNG: {"schema": {"type": "string", "format": "binary"}}},
         "headers": {
             "X-KDEQ-Model": {
                 "description": "the model that answered, NAME:VERSION",
@@ -105,8 +103,8 @@ PNG_AND_JSON = {
             },
             "X-KDEQ-Iterations": {"description": "solver iterations", "schema": {"type": "integer"}},
             "X-KDEQ-Residual": {
-                "description": "relative residual ‖f(z)−z‖/‖f(z)‖",
-                "schema": {"type": "number"},
+                "description": "relative residual ‖f(z)−z‖/‖f(z)‖ (`inf` or `nan` if the solve diverged)",
+                "schema": {"type": "string"},
             },
             "X-KDEQ-Converged": {
                 "description": "`true` or `false` (the best iterate is returned)",
@@ -304,6 +302,12 @@ async def inpaint(
             )
         if bool(missing.all()):
             raise ApiError(422, "nothing_observed", "every pixel is marked missing; nothing to inpaint from")
+        if not bool(missing.any()):
+            raise ApiError(
+                422,
+                "nothing_missing",
+                "no pixel is marked missing (mask: non-zero = missing); nothing to fill",
+            )
         return TaskInput(decoded.pixels, missing=missing, solver=override), decoded
 
     def mode(decoded: DecodedImage) -> tuple[str, object]:
@@ -364,7 +368,12 @@ class ModelInfo(BaseModel):
     load_seconds: float | None
 
 
-@router.get("/models", summary="Configured models, their state and errors")
+@router.get(
+    "/models",
+    summary="Configured models, their state and errors",
+    dependencies=AUTH,
+    responses={401: ERROR_RESPONSES[401]},
+)
 async def models(request: Request) -> list[ModelInfo]:
     registry = _service(request).registry
     defaults = {

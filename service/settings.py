@@ -80,7 +80,8 @@ class Settings(BaseModel):
     api_key: SecretStr | None = Field(
         None,
         min_length=1,
-        description="when set, inference routes need `Authorization: Bearer` or `X-API-Key`",
+        description="when set, the inference routes and `/models` need `Authorization: Bearer` or "
+        "`X-API-Key` (401 otherwise)",
     )
     warmup: bool = Field(True, description="run one prediction per model and device before ready")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")

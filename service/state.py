@@ -100,7 +100,7 @@ class Service:
             return "workers_down"
         return self.phase
 
-    def _solve(self, device: str, jobs: list[Job]) -> list[Solved]:
+    def _solve(self, device: str, jobs: list[Job]) -> list[Solved | ApiError]:
         slot = self.registry.slots[jobs[0].model]
         try:
             solved = solve_batch(slot.predictors[device], [job.payload for job in jobs])
@@ -110,8 +110,24 @@ class Service:
             ) from None
         except ValueError as err:  # the model's own input checks: a request it cannot take
             raise ApiError(422, "invalid_input", f"{slot.id}: {err}") from None
+        outcomes: list[Solved | ApiError] = []
         for job, result in zip(jobs, solved, strict=True):
             self.metrics.observe_solve(
-                job.endpoint, job.model, result.iterations, result.residual, result.converged
+                job.endpoint,
+                job.model,
+                result.iterations,
+                result.residual,
+                result.converged and result.finite,
             )
-        return solved
+            if result.finite:
+                outcomes.append(result)
+            else:  # never NaNs in a PNG: a solve that left nothing finite is an error, not an image
+                outcomes.append(
+                    ApiError(
+                        422,
+                        "non_finite",
+                        f"{slot.id} produced non-finite values for this image (after {result.iterations} "
+                        f"iterations, residual {result.residual:.3g}); nothing finite to return",
+                    )
+                )
+        return outcomes

@@ -52,6 +52,7 @@ class Solved:
             segment mask / probability ``(1, H, W)``.
         iterations, residual, converged: the solver's statistics for this image.
         lam: ``λ`` used; sigma: noise level used (0–255, denoise); threshold: used (segment).
+        finite: whether the model's continuous output (image or probability) is finite everywhere.
     """
 
     output: np.ndarray
@@ -61,6 +62,7 @@ class Solved:
     lam: float
     sigma: float | None
     threshold: float | None
+    finite: bool
 
 
 def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solved]:
@@ -86,6 +88,7 @@ def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solve
     lam = pred.lam.reshape(-1).expand(len(inputs)).tolist()
     sigma = pred.sigma.tolist() if pred.sigma is not None else [None] * len(inputs)
     threshold = pred.threshold.tolist() if pred.threshold is not None else [None] * len(inputs)
+    finite = np.isfinite(output.reshape(len(inputs), -1)).all(axis=1).tolist()
     solved = []
     for b, item in enumerate(inputs):
         out = mask[b] if mask is not None and item.output == "mask" else output[b]
@@ -98,6 +101,7 @@ def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solve
                 lam[b],
                 sigma[b],
                 threshold[b],
+                finite[b],
             )
         )
     return solved

@@ -337,7 +337,7 @@ def test_segment_errors(client: TestClient) -> None:
     assert_error(client.post("/segment", files={"image": png}, data={"threshold": "1.5"}), 422)
 
 
-def test_api_key_guards_inference_routes_only() -> None:
+def test_api_key_guards_inference_routes_and_models() -> None:
     png, _ = grey_png()
     with make_client(api_key="s3cret") as c:
         c.app.state.service.wait_loaded(120)
@@ -349,7 +349,9 @@ def test_api_key_guards_inference_routes_only() -> None:
             == 200
         )
         assert c.post("/segment", files={"image": png}, headers={"X-API-Key": "s3cret"}).status_code == 200
-        for path in ("/healthz", "/readyz", "/models", "/metrics"):
+        assert_error(c.get("/models"), 401)
+        assert c.get("/models", headers={"X-API-Key": "s3cret"}).status_code == 200
+        for path in ("/healthz", "/readyz", "/metrics"):  # open for probes and scrapers
             assert c.get(path).status_code == 200
 
 
