@@ -29,6 +29,7 @@ EOF
 export CONTAINERS_CONF="$work/containers.conf" CONTAINERS_STORAGE_CONF="$work/storage.conf"
 
 step() { printf '\n== %s\n' "$*"; }
+fail() { echo "FAILED: $*"; exit 1; }
 
 if ! podman image exists localhost/kdeq-base:bookworm; then
   step "bootstrapping a Debian bookworm base image (python3, venv, pip)"
@@ -48,7 +49,7 @@ ls wheelhouse/*.whl | wc -l | xargs echo "wheels:"
 
 step "podman build (host network, chroot isolation, offline)"
 start=$(date +%s)
-podman build --format docker --network host --isolation chroot \
+podman build --format docker --network host --isolation chroot --build-arg OFFLINE=1 \
   --build-arg BASE_IMAGE=localhost/kdeq-base:bookworm -t localhost/kdeq:test . >"$work/build.log" 2>&1 \
   || { tail -40 "$work/build.log"; exit 1; }
 echo "built in $(( $(date +%s) - start )) s; image $(podman image inspect localhost/kdeq:test --format '{{.Size}}' | numfmt --to=iec)"
@@ -57,10 +58,12 @@ step "run"
 podman rm -f kdeq-test >/dev/null 2>&1 || true
 podman run -d --name kdeq-test --network host -e KDEQ_PORT="$port" -e KDEQ_DRAIN_SECONDS=1 \
   localhost/kdeq:test >/dev/null
+ready=""
 for _ in $(seq 1 120); do
-  if curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1; then break; fi
+  if curl -fsS "http://127.0.0.1:$port/readyz" >/dev/null 2>&1; then ready=1; break; fi
   sleep 1
 done
+[ -n "$ready" ] || { podman logs kdeq-test | tail -30; fail "not ready within 120 s"; }
 echo "readyz: $(curl -sS "http://127.0.0.1:$port/readyz")"
 
 step "denoise round trip"
@@ -89,19 +92,31 @@ print(f"200 image/png {width}x{height}, {json.dumps(headers)}")
 EOF
 
 step "container facts"
-echo "user: $(podman exec kdeq-test id -u) ($(podman exec kdeq-test id -un))"
-echo "health check: $(podman healthcheck run kdeq-test >/dev/null 2>&1 && echo healthy || echo unhealthy)"
-echo "models: $(podman exec kdeq-test sh -c 'ls /models | tr "\n" " "')"
-echo "volumes: $(podman image inspect localhost/kdeq:test --format '{{json .Config.Volumes}}')"
-echo "project benchmark/test files or research images in the image: $(podman exec kdeq-test sh -c \
+uid=$(podman exec kdeq-test id -u)
+echo "user: $uid ($(podman exec kdeq-test id -un))"
+[ "$uid" != 0 ] || fail "runs as root"
+podman healthcheck run kdeq-test >/dev/null 2>&1 || fail "health check unhealthy"
+echo "health check: healthy"
+models=$(podman exec kdeq-test sh -c 'ls /models | tr "\n" " "')
+echo "models: $models"
+[ "$(echo "$models" | wc -w)" -ge 4 ] || fail "default models missing"
+volumes=$(podman image inspect localhost/kdeq:test --format '{{json .Config.Volumes}}')
+echo "volumes: $volumes"
+case "$volumes" in *'"/models"'*) ;; *) fail "no /models volume" ;; esac
+extra=$(podman exec kdeq-test sh -c \
   'find / -xdev \( -path "*/site-packages/bench" -o -path "*/site-packages/tests" -o -name baselines.py \
      -o -name "Set12" -o -name "BSD68" -o -name "CBSD68" -o -name "Kodak24" -o -name "Train400" \) \
-     -print 2>/dev/null | wc -l')"
-echo "metrics families: $(curl -sS "http://127.0.0.1:$port/metrics" | grep -c '^# TYPE kdeq_')"
+     -print 2>/dev/null | wc -l')
+echo "project benchmark/test files or research images in the image: $extra"
+[ "$extra" = 0 ] || fail "benchmark, test or research files in the image"
+families=$(curl -sS "http://127.0.0.1:$port/metrics" | grep -c '^# TYPE kdeq_')
+echo "metrics families: $families"
 
 step "SIGTERM: drain and exit"
 podman stop -t 30 kdeq-test >/dev/null
-echo "exit code: $(podman inspect kdeq-test --format '{{.State.ExitCode}}')"
+code=$(podman inspect kdeq-test --format '{{.State.ExitCode}}')
+echo "exit code: $code"
+[ "$code" = 0 ] || fail "exit code $code after SIGTERM"
 podman logs kdeq-test 2>&1 | grep -E "draining|Shutting down|Finished server process" | sed 's/^/  /'
 podman rm -f kdeq-test >/dev/null
 echo

@@ -25,6 +25,10 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+# the statuses the inference routes answer with; their series start at 0 so that rate() sees the
+# first error (a counter series born at 3 has no increase until its next change)
+INFERENCE_ENDPOINTS = ("/denoise", "/inpaint", "/segment")
+INFERENCE_STATUSES = ("200", "400", "401", "404", "413", "415", "422", "500", "503", "504")
 REJECTION_REASONS = ("queue_full", "draining", "not_ready", "timeout", "body_too_large", "too_many_pixels")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RESIDUAL_BUCKETS = tuple(10.0**e for e in range(-10, 1))
@@ -49,7 +53,8 @@ def iteration_buckets(caps: Iterable[int]) -> tuple[float, ...]:
 
 
 class CudaMemoryCollector(Collector):
-    """The CUDA caching allocator's allocated, reserved and total bytes per device, read at scrape."""
+    """Per device, read at scrape: this process's caching allocator (allocated, reserved bytes) and
+    the device as a whole (free and total bytes, whoever holds the rest)."""
 
     def __init__(self, devices: list[str]) -> None:
         self.devices = [torch.device(d) for d in devices if d.startswith("cuda")]
@@ -64,13 +69,18 @@ class CudaMemoryCollector(Collector):
                 "bytes reserved by the caching allocator",
                 labels=["device"],
             ),
+            "free": GaugeMetricFamily(
+                "kdeq_cuda_memory_free_bytes", "device memory free (all processes)", labels=["device"]
+            ),
             "total": GaugeMetricFamily("kdeq_cuda_memory_total_bytes", "device memory", labels=["device"]),
         }
         for dev in self.devices:
             label = [str(dev)]
+            free, total = torch.cuda.mem_get_info(dev)
             families["allocated"].add_metric(label, torch.cuda.memory_allocated(dev))
             families["reserved"].add_metric(label, torch.cuda.memory_reserved(dev))
-            families["total"].add_metric(label, torch.cuda.get_device_properties(dev).total_memory)
+            families["free"].add_metric(label, free)
+            families["total"].add_metric(label, total)
         yield from families.values()
 
 
@@ -164,6 +174,9 @@ class Metrics:
         )
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
+        for endpoint in INFERENCE_ENDPOINTS:
+            for status in INFERENCE_STATUSES:
+                self.http_requests.labels(endpoint, status)
         if any(d.startswith("cuda") for d in devices):
             r.register(CudaMemoryCollector(devices))
 

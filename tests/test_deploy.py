@@ -15,6 +15,8 @@ import jsonschema
 import pytest
 import yaml
 
+from service.settings import Settings
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SCHEMAS = DEPLOY / "schemas"
@@ -74,6 +76,8 @@ def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
     }
     required = {
         "KdeqDown",
+        "KdeqNoReplicas",
+        "KdeqServerErrors",
         "KdeqModelNotReady",
         "KdeqSolverNotConverging",
         "KdeqLatencyP99High",
@@ -112,6 +116,24 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
+def interpolate(value: str, shell: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR:-default}`` and ``${VAR}`` against ``shell`` (empty: nothing set)."""
+    shell = shell or {}
+
+    def one(m: re.Match) -> str:
+        name, _, default = m.group(1).partition(":-")
+        return shell.get(name) or default
+
+    return re.sub(r"\$\{([^}]+)\}", one, value)
+
+
+def compose_settings(service: dict) -> Settings:
+    """The service's ``KDEQ_*`` environment as the container gets it on a host that sets nothing
+    (a null value passes a shell variable through, so it is absent here)."""
+    env = {k: interpolate(str(v)) for k, v in service["environment"].items() if v is not None}
+    return Settings.from_env(env)
+
+
 def compose_validator() -> jsonschema.protocols.Validator:
     schema = json.loads((SCHEMAS / "compose-spec.schema.json").read_text())
     return jsonschema.Draft7Validator(schema)
@@ -129,6 +151,9 @@ def test_compose_files_follow_the_compose_specification() -> None:
     assert any("helthcheck" in e.message for e in validator.iter_errors(broken))
 
     kdeq = base["services"]["kdeq"]
+    # the container's settings are valid as shipped, on both files
+    assert compose_settings(kdeq).device == ("auto",) and compose_settings(kdeq).api_key is None
+    assert compose_settings(cpu["services"]["kdeq"]).devices() == ["cpu"]
     gpu = kdeq["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"] and gpu["driver"] == "nvidia"
     assert (
@@ -136,9 +161,9 @@ def test_compose_files_follow_the_compose_specification() -> None:
         and cpu["services"]["kdeq"]["environment"]["KDEQ_DEVICE"] == "cpu"
     )
     seconds = lambda text: int(text.rstrip("s"))  # noqa: E731
-    drain = int(kdeq["environment"]["KDEQ_DRAIN_SECONDS"]) + int(
-        kdeq["environment"]["KDEQ_REQUEST_TIMEOUT_SECONDS"]
-    )
+    env = kdeq["environment"]
+    # uvicorn's graceful limit is the request timeout + 5 s (service/server.py), after the drain
+    drain = int(env["KDEQ_DRAIN_SECONDS"]) + int(env["KDEQ_REQUEST_TIMEOUT_SECONDS"]) + 5
     assert seconds(kdeq["stop_grace_period"]) > drain
     assert seconds(kdeq["healthcheck"]["start_period"]) >= 60
     assert "service.healthcheck" in kdeq["healthcheck"]["test"]
@@ -148,8 +173,10 @@ def test_compose_files_follow_the_compose_specification() -> None:
     assert "/-/ready" in " ".join(prom["healthcheck"]["test"])
     assert "/api/health" in " ".join(grafana["healthcheck"]["test"])
     assert "GF_AUTH_ANONYMOUS_ENABLED" in grafana["environment"]
-    # replicas publish distinct host ports and Prometheus finds them by the service's DNS name
-    assert "-" in kdeq["ports"][0].split(":")[0]
+    # replicas publish distinct host ports (on loopback unless KDEQ_BIND says otherwise) and
+    # Prometheus finds them by the service's DNS name
+    assert interpolate(kdeq["ports"][0]).split(":")[:2] == ["127.0.0.1", "8000-8009"]
+    assert cpu["services"]["kdeq"]["image"] != kdeq["image"]  # the two builds never share a tag
     job = next(
         j
         for j in yaml.safe_load((PROM / "prometheus.yml").read_text())["scrape_configs"]
@@ -202,6 +229,9 @@ def test_dashboard_follows_grafanas_schema_and_the_provisioned_datasource() -> N
         "gpu memory",
     ):
         assert needed in titles, needed
+    heatmap = next(p for p in board["panels"] if p["type"] == "heatmap")
+    assert heatmap["options"]["calculate"] is False and heatmap["targets"][0]["format"] == "heatmap"
+    assert all(p.get("pluginVersion") for p in board["panels"] if p["type"] != "row")
     residual = next(p for p in board["panels"] if "residual" in p["title"].lower())
     assert residual["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]["type"] == "log"
     dashboards = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "kdeq.yml").read_text())
@@ -222,6 +252,9 @@ def test_dockerfile_promises() -> None:
     assert len(re.findall(r"^FROM ", text, re.M)) >= 2  # multi-stage
     assert re.search(r"^ARG BASE_IMAGE=\S*cuda", text, re.M)  # CUDA-capable default, chosen by argument
     assert "-c constraints.txt" in text and "--no-index --find-links /wheels" in text
+    assert 'if [ "${OFFLINE}" = 1 ]' in text  # the offline path is chosen, never implied by stray wheels
+    # dependencies are installed before the source is copied, so a code change keeps that layer
+    assert text.index("-r requirements.txt") < text.index("COPY kdeq/ kdeq/")
     user = re.findall(r"^USER (\S+)", text, re.M)
     assert user and user[-1] not in ("root", "0")
     health = re.search(r"^HEALTHCHECK .*\n.*", text, re.M).group(0)

@@ -11,8 +11,10 @@ import json
 from pathlib import Path
 
 DATASOURCE = {"type": "prometheus", "uid": "kdeq-prometheus"}
+GRAFANA_VERSION = "11.2.2"  # the image in docker-compose.yml
 OUT = Path(__file__).resolve().parent / "dashboards" / "kdeq.json"
 RATE = "$__rate_interval"
+INFERENCE = "/denoise|/inpaint|/segment"
 WIDTH, HEIGHT = 12, 8
 
 
@@ -33,6 +35,7 @@ def panel(
     log_axis: bool = False,
     fmt: str | None = None,
     width: int = WIDTH,
+    options: dict | None = None,
 ) -> dict:
     custom: dict = {}
     if log_axis:
@@ -41,9 +44,11 @@ def panel(
         "type": kind,
         "title": title,
         "description": description,
+        # a panel without a version goes through Grafana's migration of old panels on load
+        "pluginVersion": GRAFANA_VERSION,
         "datasource": DATASOURCE,
         "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": []},
-        "options": {},
+        "options": options or {},
         "targets": [target(e, leg, chr(ord("A") + i), fmt) for i, (e, leg) in enumerate(targets)],
         "_width": width,
     }
@@ -64,12 +69,13 @@ def panels() -> list[dict]:
         ),
         panel(
             "Error ratio",
-            "Server errors (5xx, recording rule) and client errors (4xx) over all answered requests.",
+            "Server errors (5xx, recording rule) and client errors (4xx) over answered inference requests.",
             [
                 ("kdeq:http_errors:ratio5m", "5xx"),
                 (
-                    f'(sum(rate(kdeq_http_requests_total{{status=~"4.."}}[{RATE}])) or vector(0))'
-                    f" / sum(rate(kdeq_http_requests_total[{RATE}]))",
+                    f'(sum(rate(kdeq_http_requests_total{{endpoint=~"{INFERENCE}", status=~"4.."}}[{RATE}]))'
+                    " or vector(0))"
+                    f' / sum(rate(kdeq_http_requests_total{{endpoint=~"{INFERENCE}"}}[{RATE}]))',
                     "4xx",
                 ),
             ],
@@ -127,7 +133,8 @@ def panels() -> list[dict]:
         ),
         panel(
             "GPU memory",
-            "The CUDA caching allocator's allocated and reserved bytes against the device total.",
+            "This process's caching allocator (allocated, reserved) and the whole device (in use by any "
+            "process, total).",
             [
                 (
                     "sum by (instance, device) (kdeq_cuda_memory_allocated_bytes)",
@@ -136,6 +143,10 @@ def panels() -> list[dict]:
                 (
                     "sum by (instance, device) (kdeq_cuda_memory_reserved_bytes)",
                     "reserved {{instance}} {{device}}",
+                ),
+                (
+                    "sum by (instance, device) (kdeq_cuda_memory_total_bytes - kdeq_cuda_memory_free_bytes)",
+                    "device in use {{instance}} {{device}}",
                 ),
                 ("sum by (instance, device) (kdeq_cuda_memory_total_bytes)", "total {{instance}} {{device}}"),
             ],
@@ -149,6 +160,8 @@ def panels() -> list[dict]:
             [(f"sum by (le) (rate(kdeq_solver_iterations_bucket[{RATE}]))", "{{le}}")],
             kind="heatmap",
             fmt="heatmap",
+            # draw Prometheus's own buckets; Grafana must not re-bucket them
+            options={"calculate": False, "yAxis": {"unit": "short"}, "cellGap": 1},
         ),
         panel(
             "Solver iterations p50 / p95 per model",
