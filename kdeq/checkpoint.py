@@ -287,6 +287,11 @@ def read_config(directory: Path) -> ModelConfig:
         raise CheckpointError(f"{path}: {problems}") from None
 
 
+# the first bytes of a pickle (protocols 2–5) and of torch.save's zip container; a safetensors file
+# starts with its 8-byte header length and then the header's "{", which tells the two apart
+PICKLE_MAGIC = tuple(bytes([0x80, p]) for p in range(2, 6))
+
+
 def load_checkpoint(directory: str | Path) -> Checkpoint:
     """Read and validate a checkpoint directory; raises ``CheckpointError`` naming the file and problem."""
     directory = Path(directory)
@@ -296,6 +301,8 @@ def load_checkpoint(directory: str | Path) -> Checkpoint:
         blob = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file") from None
+    if blob[8:9] != b"{" and (blob[:2] in PICKLE_MAGIC or blob[:4] == b"PK\x03\x04"):
+        raise CheckpointError(f"{path}: a pickle (torch.save) file, not safetensors; it is never unpickled")
     digest = hashlib.sha256(blob).hexdigest()
     if digest != config.weights_sha256:
         raise CheckpointError(f"{path}: sha256 {digest} does not match config.json's {config.weights_sha256}")

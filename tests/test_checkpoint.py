@@ -111,7 +111,7 @@ def test_refuses_a_sha256_mismatch(ckpt: Path) -> None:
 def test_refuses_a_pickle_even_with_a_matching_sha256(ckpt: Path, tmp_path: Path) -> None:
     torch.save(_tensors(ckpt), tmp_path / "p.pt")
     _replace_weights(ckpt, (tmp_path / "p.pt").read_bytes())
-    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+    with pytest.raises(CheckpointError, match=r"a pickle .* never unpickled"):
         load_checkpoint(ckpt)
 
 

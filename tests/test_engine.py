@@ -192,3 +192,44 @@ def test_a_fault_outside_the_runner_fails_the_batch_not_the_worker() -> None:
         return await eng.infer(job("fine"))
 
     assert run(scenario, eng) == "fine"
+
+
+def test_a_refused_batch_halves_the_limit_and_full_batches_grow_it_back(monkeypatch) -> None:
+    monkeypatch.setattr("service.engine.RECOVERY_BATCHES", 2)
+    sizes: list[int] = []
+    release = threading.Event()
+
+    def runner(device, jobs):
+        sizes.append(len(jobs))
+        if jobs[0].payload == "first":
+            release.wait(10)
+        if len(jobs) > 2:
+            raise ApiError(503, "out_of_memory", "no memory for this batch", {"Retry-After": "5"})
+        return [j.payload for j in jobs]
+
+    eng, metrics = engine(runner)
+
+    async def scenario():
+        first = asyncio.create_task(eng.infer(job("first")))
+        while not sizes:
+            await asyncio.sleep(0.005)
+        burst = [asyncio.create_task(eng.infer(job(f"a{i}"))) for i in range(5)]
+        await asyncio.sleep(0.05)
+        release.set()
+        results = await asyncio.gather(first, *burst, return_exceptions=True)
+        assert results[0] == "first"
+        assert all(isinstance(r, ApiError) and r.status_code == 503 for r in results[1:])
+        assert eng.batch_limit == 2  # five refused together: the limit halves
+        # full batches at the lower limit: after RECOVERY_BATCHES of them the limit grows by one
+        for _ in range(2):
+            with eng.incoming() as t1, eng.incoming() as t2:
+                pair = [
+                    asyncio.create_task(eng.infer(job("b"), t1)),
+                    asyncio.create_task(eng.infer(job("b"), t2)),
+                ]
+                assert await asyncio.gather(*pair) == ["b", "b"]
+        return eng.batch_limit
+
+    assert run(scenario, eng) == 3
+    assert sizes[:2] == [1, 5] and all(s <= 2 for s in sizes[2:])
+    assert "kdeq_batch_size_limit 3.0" in metrics.render().decode()

@@ -142,3 +142,23 @@ def test_invalid_settings_exit_2_with_the_variable_named() -> None:
         [sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 2 and "KDEQ_MAX_BATCH_SIZE" in done.stderr
+
+
+def test_sigterm_with_many_requests_in_flight_drops_none(tmp_path) -> None:
+    """Without a drain period: the listener closes at once (new connections are refused), every
+    request already admitted — being solved or queued — completes, and the process exits 0."""
+    with run_server(tmp_path, drain_seconds=0, max_batch_size=1) as server:
+        pngs = [image_png(320, seed) for seed in range(6)]
+        with ThreadPoolExecutor(6) as pool:
+            futures = [pool.submit(post, server, "/denoise", png) for png in pngs]
+            time.sleep(0.6)  # all six are in: one solving, the others queued
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            with pytest.raises(httpx.TransportError):
+                httpx.get(server.url + "/healthz", timeout=2)
+            responses = [f.result(timeout=120) for f in futures]
+        assert [r.status_code for r in responses] == [200] * 6
+        assert all(r.headers["content-type"] == "image/png" for r in responses)
+        start = time.monotonic()
+        assert server.process.wait(30) == 0
+        assert time.monotonic() - start < 30

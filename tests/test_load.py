@@ -1,0 +1,163 @@
+"""Overload and soak against a real server process: rejections are fast and explicit, accepted requests
+keep their latency, the service recovers at once, and a long bounded load leaks nothing."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import numpy as np
+import pytest
+
+from tests.service_helpers import encode, noisy, run_server, smooth_image, to_uint8
+from tests.test_hostile import SUMMARY, rss_bytes
+
+pytestmark = pytest.mark.slow
+
+
+def images(size: int, count: int = 4) -> list[bytes]:
+    return [encode(to_uint8(noisy(smooth_image(size, size, s), 20.0, s))) for s in range(count)]
+
+
+def multipart(png: bytes) -> tuple[bytes, str]:
+    boundary = "kdeqload"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="image"; filename="x.png"\r\n'
+            f"Content-Type: image/png\r\n\r\n"
+        ).encode()
+        + png
+        + f"\r\n--{boundary}\r\n".encode()
+        + b'Content-Disposition: form-data; name="sigma"\r\n\r\n20\r\n'
+        + f"--{boundary}--\r\n".encode()
+    )
+    return body, f"multipart/form-data; boundary={boundary}"
+
+
+def hammer(
+    url: str, pngs: list[bytes], clients: int, seconds: float, interval: float | None = None
+) -> list[tuple[float, float, int, str | None]]:
+    """(start, seconds, status, Retry-After) of every request ``clients`` threads sent for ``seconds``,
+    each thread with its own keep-alive connection: back to back, or one every ``interval`` seconds
+    per thread (an open load that does not slow down when the server does). The client is plain
+    ``http.client`` with bodies built beforehand, so the measuring side costs little CPU."""
+    host, port = url.split("//")[1].split(":")
+    bodies = [multipart(p) for p in pngs]
+    out: list[tuple[float, float, int, str | None]] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def client(k: int) -> None:
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        i = k
+        due = time.monotonic() + (interval or 0) * k / clients
+        while time.monotonic() < stop:
+            if interval is not None:
+                time.sleep(max(0.0, due - time.monotonic()))
+                due += interval
+            body, ctype = bodies[i % len(bodies)]
+            t0 = time.monotonic()
+            conn.request("POST", "/denoise", body=body, headers={"Content-Type": ctype})
+            r = conn.getresponse()
+            r.read()
+            elapsed = time.monotonic() - t0
+            with lock:
+                out.append((t0, elapsed, r.status, r.getheader("retry-after")))
+            if r.getheader("connection") == "close":
+                conn.close()
+                conn = http.client.HTTPConnection(host, int(port), timeout=120)
+            i += clients
+        conn.close()
+
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    return out
+
+
+def single_solve_seconds(url: str, png: bytes, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        assert httpx.post(url + "/denoise", files={"image": png}, data={"sigma": "20"}, timeout=60).is_success
+        times.append(time.monotonic() - t0)
+    return float(np.median(times))
+
+
+def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
+    queue = 4
+    with run_server(tmp_path, queue_size=queue, max_batch_size=1) as server:
+        pngs = images(128)
+        alone = single_solve_seconds(server.url, pngs[0])
+        # 16 clients, each sending every 0.5 s: 32 requests/s offered, several times what one worker
+        # serves (1 / `alone`)
+        results = hammer(server.url, pngs, clients=16, seconds=8.0, interval=0.5)
+        offered = 32.0
+        assert offered * alone > 4
+        codes = [c for _, _, c, _ in results]
+        assert set(codes) <= {200, 503}, set(codes)
+        rejected = [t for _, t, c, _ in results if c == 503]
+        accepted = [t for _, t, c, _ in results if c == 200]
+        assert len(rejected) > len(accepted) > 0  # offered load far above capacity
+        assert all(retry == "1" for _, _, c, retry in results if c == 503)
+        p99_rejected = float(np.quantile(rejected, 0.99))
+        assert p99_rejected <= 0.050, p99_rejected
+        # an accepted request waits for at most the queue ahead of it, the one being solved and itself
+        p99_accepted = float(np.quantile(accepted, 0.99))
+        assert p99_accepted <= 2.0 * (queue + 2) * alone, (p99_accepted, alone)
+        # recovery: the next request is served at once, at its unloaded latency
+        t0 = time.monotonic()
+        assert httpx.post(server.url + "/denoise", files={"image": pngs[0]}, data={"sigma": "20"}).is_success
+        recovered = time.monotonic() - t0
+        assert recovered <= 3.0 * alone + 0.05, (recovered, alone)
+    summary = {
+        "clients": 16,
+        "offered_per_s": offered,
+        "capacity_per_s": round(1 / alone, 2),
+        "seconds": 8.0,
+        "queue_size": queue,
+        "requests": len(results),
+        "accepted": len(accepted),
+        "rejected_503": len(rejected),
+        "other": len(results) - len(accepted) - len(rejected),
+        "single_solve_ms": round(alone * 1e3, 1),
+        "p99_rejection_ms": round(p99_rejected * 1e3, 1),
+        "p99_accepted_ms": round(p99_accepted * 1e3, 1),
+        "recovered_request_ms": round(recovered * 1e3, 1),
+    }
+    SUMMARY.mkdir(parents=True, exist_ok=True)
+    (SUMMARY / "overload.json").write_text(json.dumps(summary, indent=1))
+
+
+def test_soak_holds_memory_and_latency(tmp_path, request) -> None:
+    seconds = request.config.getoption("--soak-seconds")
+    with run_server(tmp_path) as server:
+        pid = server.process.pid
+        pngs = images(96, count=6)
+        hammer(server.url, pngs, clients=3, seconds=5.0)  # warm-up: allocator and caches settle
+        rss_start = rss_bytes(pid)
+        results = hammer(server.url, pngs, clients=3, seconds=seconds)
+        rss_end = rss_bytes(pid)
+        errors = [c for _, _, c, _ in results if c != 200]
+        assert not errors, errors[:10]
+        growth = (rss_end - rss_start) / rss_start
+        assert growth < 0.10, (rss_start, rss_end)
+        start = results[0][0]
+        thirds = [[t for t0, t, _, _ in results if int(3 * (t0 - start) / seconds) == k] for k in range(3)]
+        p99 = [float(np.quantile(part, 0.99)) for part in thirds]
+        assert p99[2] <= 1.5 * p99[0] + 0.05, p99  # no drift
+    summary = {
+        "seconds": seconds,
+        "clients": 3,
+        "requests": len(results),
+        "errors": len(errors),
+        "rss_mb_start_end": [round(rss_start / 2**20), round(rss_end / 2**20)],
+        "rss_growth": round(growth, 4),
+        "p99_ms_by_third": [round(x * 1e3, 1) for x in p99],
+        "p50_ms": round(float(np.median([t for _, t, _, _ in results])) * 1e3, 1),
+    }
+    SUMMARY.mkdir(parents=True, exist_ok=True)
+    (SUMMARY / "soak.json").write_text(json.dumps(summary, indent=1))
