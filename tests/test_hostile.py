@@ -76,11 +76,15 @@ def corpus() -> list[Case]:
     cases = [
         Case("zero bytes", f(b""), status=400, error="empty_file"),
         Case("random bytes", f(rng.bytes(5000)), status=415),
+        *[
+            Case(f"truncated {fmt}", f(encode(Image.fromarray(grey), fmt)[:300]), status=415)
+            for fmt in ("PNG", "JPEG", "WEBP", "TIFF")
+        ],
         Case(
             "bomb header 50000x50000", f(png_header_only(50_000, 50_000)), status=413, error="too_many_pixels"
         ),
         Case("over the pixel limit", f(png_header_only(1025, 1024)), status=413, error="too_many_pixels"),
-        Case("huge but allowed 1024x1024", f(encode(to_uint8(smooth_image(1024, 1024))))),
+        Case("huge but allowed 1024x1024", f(encode(to_uint8(noisy(smooth_image(1024, 1024), 15.0))))),
         Case("1x1", f(encode(np.zeros((1, 1), np.uint8))), status=422, error="image_too_small"),
         Case("1x10000", f(encode(np.zeros((10_000, 1), np.uint8))), status=422, error="image_too_small"),
         Case("16-bit grey", f(encode(Image.fromarray((smooth_image(32, 32) * 65535).astype(np.uint16))))),
@@ -192,7 +196,7 @@ def test_hostile_corpus_gets_clear_answers_and_the_service_survives(tmp_path) ->
             0
         ].is_success
         rss = [rss_bytes(pid)]
-        for _round in range(2):  # twice: a leak shows as growth between the rounds
+        for _round in range(3):  # a leak shows as growth round after round
             for case in cases:
                 r, elapsed = send(server, case)
                 seconds.append(elapsed)
@@ -205,7 +209,7 @@ def test_hostile_corpus_gets_clear_answers_and_the_service_survives(tmp_path) ->
                         assert body["error"] == case.error, (case.name, body)
                 else:
                     assert r.headers["content-type"] in ("image/png", "application/json"), case.name
-                assert elapsed < 30, (case.name, elapsed)
+                assert elapsed < 60, (case.name, elapsed)  # within the request timeout: no hang
             r = chunked_over_limit(server)
             assert r.status_code == 413 and r.json()["error"] == "payload_too_large"
             results.append(("chunked body over the limit", r.status_code))
@@ -213,11 +217,12 @@ def test_hostile_corpus_gets_clear_answers_and_the_service_survives(tmp_path) ->
             assert httpx.get(server.url + "/readyz").status_code == 200
             ok, _ = send(server, next(c for c in cases if c.name == "valid mask"))  # still serving
             assert ok.status_code == 200
-        # bounded: the second round costs no more memory than the first (10 % slack), and the total
-        # stays under what the limits allow a 1-megapixel solve to use
-        growth = (rss[2] - rss[1]) / rss[1]
+        # bounded: the last round ends no higher than the rounds before it (10 % slack; the allocator
+        # keeps freed memory for reuse, so one round may sit above another), and the total stays under
+        # what the limits allow a 1-megapixel solve to use
+        growth = rss[3] / max(rss[1:3]) - 1
         assert growth < 0.10, rss
-        assert rss[2] < 3 << 30, rss
+        assert max(rss) < 3 << 30, rss
         log = server.log.read_text()
         assert "Traceback" not in log and " 500 " not in log
     SUMMARY.mkdir(parents=True, exist_ok=True)
@@ -227,7 +232,7 @@ def test_hostile_corpus_gets_clear_answers_and_the_service_survives(tmp_path) ->
                 "cases": len(cases) + 1,
                 "requests": len(results),
                 "server_errors": sum(s >= 500 for _, s in results),
-                "rss_mb_after_warmup_round1_round2": [round(x / 2**20) for x in rss],
+                "rss_mb_after_warmup_and_each_round": [round(x / 2**20) for x in rss],
                 "max_seconds": round(max(seconds), 2),
                 "statuses": dict(results),
             },
