@@ -11,11 +11,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
 
 from service import __version__
 from service.errors import install_error_handlers
 from service.middleware import Admission, ApiKey, BodyLimit, RequestMetrics
-from service.routes import router
+from service.routes import STATIC, router
 from service.settings import Settings
 from service.state import Service
 
@@ -38,6 +39,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.service = service
     install_error_handlers(app)
     app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     # added innermost first: metrics see every response, including the key and size refusals
     app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes, metrics=service.metrics)
     app.add_middleware(Admission, refusal=service.engine.refusal)

@@ -25,7 +25,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 INFERENCE_ROUTES = frozenset({"/denoise", "/inpaint", "/segment"})
 # the API key guards these; health, readiness and metrics stay open for probes and scrapers
 PROTECTED_ROUTES = INFERENCE_ROUTES | {"/models"}
-ROUTES = INFERENCE_ROUTES | {"/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"}
+ROUTES = INFERENCE_ROUTES | {"/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/"}
 
 
 def endpoint_label(scope: Scope) -> str:

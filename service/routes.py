@@ -12,12 +12,13 @@ import base64
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, File, Form, Request, Security, UploadFile
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -418,6 +419,20 @@ async def healthz() -> Health:
 async def readyz(request: Request) -> JSONResponse:
     status = _service(request).readiness()
     return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+
+
+STATIC = Path(__file__).resolve().parent / "static"
+# the page loads only its own files: no CDN, no inline script
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; style-src 'self'; "
+    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+@router.get("/", summary="A page to try the models in a browser", response_class=FileResponse)
+async def page() -> FileResponse:
+    return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)
