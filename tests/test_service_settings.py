@@ -67,10 +67,10 @@ def test_auto_device_is_the_cpu_without_cuda() -> None:
     assert Settings.from_env({}).devices() == expected
 
 
-def test_readme_documents_every_setting() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_configuration_page_documents_every_setting() -> None:
+    page = (ROOT / "docs" / "configuration.md").read_text()
     for variable, _default, meaning in Settings.describe():
-        assert f"`{variable}`" in readme, variable
+        assert f"`{variable}`" in page, variable
         assert meaning
 
 

@@ -1,0 +1,108 @@
+"""Every code example in the README and docs/ runs, and the generated reference pages are current.
+
+Python blocks are executed. Shell blocks are run line by line in a scratch folder holding the files
+they name, against a real server for the `curl` lines (its URL substituted for the docs' 8000). The
+exceptions are the Quick start, which CI runs itself, and blocks whose first line says why they are
+not run here (Docker, hours-long benchmarks). Those are checked to hold nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.service_helpers import encode, noisy, run_server, smooth_image, to_uint8
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOT_RUN = re.compile(r"^# not run by the test suite: (needs Docker|a benchmark)")
+VENV_BIN = Path(sys.executable).parent
+
+
+def blocks(lang: str) -> list[tuple[str, str]]:
+    """``(page, code)`` of every fenced ``lang`` block; the README's Quick start is CI's own job."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        if page.name == "README.md":
+            quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+            text = text.replace(quick, "")
+        found += [(page.name, code) for code in re.findall(rf"```{lang}\n(.*?)```", text, re.S)]
+    return found
+
+
+def test_generated_reference_pages_are_current() -> None:
+    generator = runpy.run_path(str(ROOT / "docs" / "generate.py"))
+    for name, build in generator["PAGES"].items():
+        assert (ROOT / "docs" / name).read_text() == build(), f"docs/{name} is stale: run docs/generate.py"
+
+
+@pytest.mark.parametrize(("page", "code"), blocks("python"), ids=lambda v: v if v.endswith(".md") else "")
+def test_python_examples_run(page: str, code: str, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, page, "exec"), {"__name__": "__docs__"})
+
+
+def scratch(tmp_path: Path) -> Path:
+    """A folder with the files the shell examples name."""
+    d = tmp_path / "work"
+    d.mkdir()
+    colour = np.stack([smooth_image(64, 80, s) for s in range(3)], -1)
+    (d / "noisy.png").write_bytes(encode(to_uint8(noisy(colour, 25.0))))
+    (d / "photo.png").write_bytes(encode(to_uint8(colour)))
+    holes = np.zeros((64, 80), np.uint8)
+    holes[20:30, 25:50] = 255
+    (d / "holes.png").write_bytes(encode(holes))
+    shapes = np.zeros((64, 80))
+    shapes[15:45, 20:60] = 1.0
+    (d / "scan.png").write_bytes(encode(to_uint8(noisy(0.2 + 0.6 * shapes, 40.0))))
+    return d
+
+
+def outputs(line: str) -> list[str]:
+    words = shlex.split(line, comments=True)
+    return [words[i + 1] for i, w in enumerate(words[:-1]) if w in ("-o", "--out")]
+
+
+def test_shell_examples_run(tmp_path) -> None:
+    work = scratch(tmp_path)
+    ran, skipped = 0, 0
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_")}
+    with run_server(tmp_path) as server:
+        for page, code in blocks("bash"):
+            first = code.splitlines()[0]
+            if NOT_RUN.match(first):
+                skipped += 1
+                commands = [ln for ln in code.splitlines()[1:] if ln.strip()]
+                allowed = ("docker ", ".venv-bench/", "python3 -m venv .venv-bench")
+                assert all(ln.startswith(allowed) for ln in commands), (page, commands)
+                continue
+            script = code.replace("http://127.0.0.1:8000", server.url).replace(".venv/bin/", f"{VENV_BIN}/")
+            done = subprocess.run(
+                ["bash", "-e", "-o", "pipefail", "-c", script],
+                cwd=work,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert done.returncode == 0, (page, code, done.stdout[-2000:], done.stderr[-2000:])
+            ran += 1
+            for line in code.splitlines():
+                for out in outputs(line):
+                    data = (work / out).read_bytes()
+                    if out.endswith(".png"):
+                        assert data.startswith(b"\x89PNG"), (page, line, data[:200])
+                    elif out.endswith(".json"):
+                        body = json.loads(data)
+                        assert not (isinstance(body, dict) and "error" in body), (page, line, body)
+    assert ran >= 3 and skipped >= 3
