@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${1:-/tmp/kdeq-image}
-port=${KDEQ_TEST_PORT:-18080}
+port=${IMAGE_TEST_PORT:-18080}
 mkdir -p "$work"
 
 # podman here: runc (crun's rlimit calls are refused), no default ulimits, vfs storage (no overlay

@@ -3,6 +3,7 @@
 - ``kdeq denoise|inpaint|segment IN -o OUT``: run a model from the repository on an image file
   and print the solver statistics;
 - ``kdeq models``: list the repository;
+- ``kdeq samples DIR``: write generated sample images to try the models on;
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
 - ``kdeq demo``: see below;
 - commands of other installed packages, registered under the ``kdeq.commands`` entry-point
@@ -36,6 +37,7 @@ from kdeq.kglm import conv_deq
 from kdeq.predictor import Prediction, SolverOverride
 from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
+from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
 
 
@@ -184,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--output", choices=("mask", "probability"), default="mask")
     p_models = sub.add_parser("models", help="list the model repository")
     p_models.add_argument("--models-dir", default=models_dir)
+    p_samples = sub.add_parser("samples", help="write sample images (photo, noisy, holes, scan) to try")
+    p_samples.add_argument("directory", nargs="?", default=".")
+    p_samples.add_argument("--seed", type=int, default=0)
     p_init = sub.add_parser("init", help="write kGLM-initialised checkpoints")
     p_init.add_argument("spec", nargs="*", help="ModelSpec JSON files")
     p_init.add_argument("--defaults", action="store_true", help="rebuild the shipped default models")
@@ -202,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.size < 16 or args.sigma <= 0:
             parser.error("--size must be at least 16 and --sigma positive")
         demo(args.size, args.sigma, args.seed)
+        return 0
+    if args.command == "samples":
+        for path in write_samples(args.directory, args.seed):
+            print(f"wrote {path}")
         return 0
     if args.command == "init" and bool(args.spec) == args.defaults:
         parser.error("give SPEC files or --defaults (not both)")

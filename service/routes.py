@@ -111,6 +111,19 @@ PNG_AND_JSON = {
                 "description": "`true` or `false` (the best iterate is returned)",
                 "schema": {"type": "string"},
             },
+            "X-KDEQ-Sigma": {
+                "description": "noise level used, 0–255 (denoise)",
+                "schema": {"type": "string"},
+            },
+            "X-KDEQ-Threshold": {"description": "threshold used (segment)", "schema": {"type": "string"}},
+            "X-KDEQ-Batch-Size": {
+                "description": "requests solved together with this one",
+                "schema": {"type": "string"},
+            },
+            "Server-Timing": {
+                "description": "decode, queue, inference, encode and total milliseconds",
+                "schema": {"type": "string"},
+            },
         },
     },
     **ERROR_RESPONSES,
@@ -417,6 +430,8 @@ async def healthz() -> Health:
     responses={503: {"model": Health, "description": "starting, draining, or no model could be loaded"}},
 )
 async def readyz(request: Request) -> JSONResponse:
+    """`{"status": …}`: `ready` (200); `starting`, `draining`, `stopped`, `no_models` or `workers_down`
+    (503)."""
     status = _service(request).readiness()
     return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
 

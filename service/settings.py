@@ -2,7 +2,7 @@
 
 Every field ``name`` is set by the variable ``KDEQ_<NAME>``; an unknown ``KDEQ_``
 variable is an error (a typo must not be silently ignored). Lists are
-comma-separated. ``Settings.describe()`` is the reference table in the README.
+comma-separated. ``Settings.describe()`` is the table of docs/configuration.md.
 """
 
 from __future__ import annotations

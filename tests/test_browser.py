@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.service_helpers import encode, noisy, run_server, smooth_image, to_uint8
+from tests.service_helpers import encode, missing_tool, noisy, run_server, smooth_image, to_uint8
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = os.environ.get("KDEQ_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
 # a closed network: no background requests, no sync, no component updates
 FLAGS = [
     "--no-sandbox",
@@ -27,14 +27,16 @@ FLAGS = [
     "--disable-sync",
     "--disable-dev-shm-usage",
 ]
-SCREENSHOTS = Path(os.environ.get("KDEQ_SCREENSHOTS", "/tmp/kdeq-screenshots"))
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator:
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    try:
+        from playwright import sync_api as playwright
+    except ImportError:
+        missing_tool("playwright is not installed (pip install -e '.[dev]')")
     if not (Path(CHROMIUM).exists() or shutil.which(CHROMIUM)):
-        pytest.skip(f"no Chromium at {CHROMIUM} (Debian package chromium; .ci/run installs it)")
+        missing_tool(f"no Chromium at {CHROMIUM} (Debian package chromium; .ci/run installs it)")
     with playwright.sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         yield b
@@ -58,10 +60,12 @@ def images(tmp_path_factory) -> dict[str, Path]:
         "inpaint": encode(to_uint8(clean)),
         "segment": encode(to_uint8(noisy(0.2 + 0.6 * shapes, 40.0))),
         "broken": b"this is not an image",
+        "mask": encode((shapes * 255).astype(np.uint8)),
+        "tiff": encode(to_uint8(noisy(smooth_image(96, 128), 20.0)), "TIFF"),
     }
     paths = {}
     for name, data in files.items():
-        paths[name] = d / f"{name}.png"
+        paths[name] = d / (f"{name}.tif" if name == "tiff" else f"{name}.png")
         paths[name].write_bytes(data)
     return paths
 
@@ -91,7 +95,7 @@ def run_task(page, task: str, image: Path) -> None:
 
 
 @pytest.mark.parametrize("task", ["denoise", "inpaint", "segment"])
-def test_each_task_shows_its_result_and_statistics(browser, server, images, task: str) -> None:
+def test_each_task_shows_its_result_and_statistics(browser, server, images, task: str, tmp_path) -> None:
     page, errors = open_page(browser, server.url)
     assert page.locator("#model option").count() >= 2  # default + the task's models
     run_task(page, task, images[task])
@@ -110,9 +114,9 @@ def test_each_task_shows_its_result_and_statistics(browser, server, images, task
     page.locator("#compare-slider").fill("20")
     clip = page.evaluate("document.getElementById('compare-after-clip').style.width")
     assert clip == "20%"
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / f"{task}.png"), full_page=True)
-    assert (SCREENSHOTS / f"{task}.png").stat().st_size > 10_000
+    shot = tmp_path / f"{task}.png"  # the test's own output folder
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
     assert not errors, errors
     page.close()
 
@@ -141,3 +145,25 @@ def test_the_page_asks_for_the_key_when_one_is_configured(browser, images, tmp_p
         assert page.inner_text("#stat-converged") == "yes"
         assert not errors, errors
         page.close()
+
+
+def test_an_uploaded_mask_and_a_tiff_the_browser_cannot_show(browser, server, images) -> None:
+    page, errors = open_page(browser, server.url)
+    # inpainting with a mask file instead of painting
+    page.check("input[name=task][value=inpaint]")
+    page.set_input_files("#file", str(images["inpaint"]))
+    page.locator("#run:not([disabled])").wait_for()
+    page.set_input_files("#mask-file", str(images["mask"]))
+    page.click("#run")
+    page.wait_for_selector("#stats:not([hidden])", timeout=60_000)
+    assert page.inner_text("#stat-model").startswith("inpaint")
+    # a TIFF: the service reads it, the browser cannot draw it; painting is offered no more
+    page.set_input_files("#file", str(images["tiff"]))
+    page.locator("#paint-note:not([hidden])").wait_for(timeout=10_000)
+    assert page.locator("#stats").is_hidden()  # the previous result went with the previous input
+    page.check("input[name=task][value=denoise]")
+    page.click("#run")
+    page.wait_for_selector("#stats:not([hidden])", timeout=60_000)
+    assert page.inner_text("#stat-converged") == "yes" and page.locator("#compare").is_hidden()
+    assert not errors, errors
+    page.close()

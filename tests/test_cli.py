@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -81,3 +82,13 @@ def test_init_from_a_spec_file_writes_a_loadable_checkpoint(tmp_path, capsys) ->
     assert model.predict(torch.rand(1, 1, 16, 16), sigma=25).stats.converged.all()
     path.write_text(json.dumps(spec | {"unknown": 1}))
     assert main(["init", str(path), "--models-dir", str(tmp_path / "models")]) == 2
+
+
+def test_samples_writes_images_to_try(tmp_path) -> None:
+    assert main(["samples", str(tmp_path / "s")]) == 0
+    files = {p.name: Image.open(p) for p in (tmp_path / "s").iterdir()}
+    assert set(files) == {"photo.png", "noisy.png", "holes.png", "scan.png"}
+    assert files["photo.png"].mode == "RGB" and files["scan.png"].mode == "L"
+    holes = torch.from_numpy(np.asarray(files["holes.png"]).copy())
+    assert 0 < (holes > 0).float().mean() < 0.2  # some pixels to fill, most kept
+    assert main(["denoise", str(tmp_path / "s" / "noisy.png"), "-o", str(tmp_path / "clean.png")]) == 0

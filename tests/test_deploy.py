@@ -12,10 +12,10 @@ import subprocess
 from pathlib import Path
 
 import jsonschema
-import pytest
 import yaml
 
 from service.settings import Settings
+from tests.service_helpers import missing_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -26,7 +26,7 @@ PROM = DEPLOY / "prometheus"
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+        missing_tool("promtool not installed (Debian package prometheus; .ci/run installs it)")
     return path
 
 
@@ -173,7 +173,7 @@ def test_compose_files_follow_the_compose_specification() -> None:
     assert "/-/ready" in " ".join(prom["healthcheck"]["test"])
     assert "/api/health" in " ".join(grafana["healthcheck"]["test"])
     assert "GF_AUTH_ANONYMOUS_ENABLED" in grafana["environment"]
-    # replicas publish distinct host ports (on loopback unless KDEQ_BIND says otherwise) and
+    # replicas publish distinct host ports (on loopback unless BIND_ADDRESS says otherwise) and
     # Prometheus finds them by the service's DNS name
     assert interpolate(kdeq["ports"][0]).split(":")[:2] == ["127.0.0.1", "8000-8009"]
     assert cpu["services"]["kdeq"]["image"] != kdeq["image"]  # the two builds never share a tag

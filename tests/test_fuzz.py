@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service_helpers import run_server
+from tests.service_helpers import missing_tool, run_server
 from tests.test_hostile import SUMMARY
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,7 @@ CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,re
 def test_the_api_survives_schema_driven_fuzzing(tmp_path) -> None:
     st = shutil.which("st", path=str(Path(sys.executable).parent))
     if st is None:
-        pytest.skip("schemathesis is not installed (pip install -e '.[dev]')")
+        missing_tool("schemathesis is not installed (pip install -e '.[dev]')")
     with run_server(tmp_path, max_pixels=65536) as server:
         done = subprocess.run(
             [

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 MAX_PIXELS = 1 << 20
 MAX_BYTES = 8 << 20
-SUMMARY = Path(os.environ.get("KDEQ_RELIABILITY_OUT", "/tmp/kdeq-reliability"))
+SUMMARY = Path(os.environ.get("RELIABILITY_OUT", "/tmp/kdeq-reliability"))
 
 
 @dataclass

@@ -13,11 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
-import pytest
 import yaml
 
 from service.metrics import CudaMemoryCollector
-from tests.service_helpers import encode, free_port, noisy, run_server, smooth_image, to_uint8
+from tests.service_helpers import encode, free_port, missing_tool, noisy, run_server, smooth_image, to_uint8
 from tests.test_deploy import PROM, dashboard, local_prometheus_config, panel_targets
 
 # Grafana's own macros, given the values a query over this short test needs
@@ -53,7 +52,7 @@ def query(prom: str, expr: str) -> list:
 def prometheus(tmp_path, targets: tuple[str, ...]):
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.skip("prometheus not installed (Debian package prometheus; .ci/run installs it)")
+        missing_tool("prometheus not installed (Debian package prometheus; .ci/run installs it)")
     port = free_port()
     config = local_prometheus_config(tmp_path, targets, interval="1s")
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115

@@ -14,7 +14,17 @@ from PIL import Image
 
 from service.app import create_app
 from service.settings import Settings
-from tests.service_helpers import MODELS, decode, encode, metric, noisy, psnr, smooth_image, to_uint8
+from tests.service_helpers import (
+    MODELS,
+    decode,
+    encode,
+    metric,
+    missing_tool,
+    noisy,
+    psnr,
+    smooth_image,
+    to_uint8,
+)
 
 
 def make_client(**overrides: object) -> TestClient:
@@ -67,7 +77,7 @@ def test_metrics_is_a_plain_route_in_the_text_format(client: TestClient) -> None
 def test_metrics_pass_promtool(client: TestClient) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+        missing_tool("promtool not installed (Debian package prometheus; .ci/run installs it)")
     client.post("/denoise", files={"image": grey_png()[0]})
     text = client.get("/metrics").text
     done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)

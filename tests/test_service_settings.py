@@ -1,4 +1,4 @@
-"""Settings from KDEQ_* variables, the README's reference table, and the direction of dependencies."""
+"""Settings from KDEQ_* variables, the configuration page, and the direction of dependencies."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { file: null, inputUrl: null, resultUrl: null, painted: false, models: [] };
+const state = { file: null, inputUrl: null, painted: false, paintable: false, models: [], last: null };
 
 function task() {
   return document.querySelector("input[name=task]:checked").value;
@@ -40,29 +40,38 @@ async function describeError(response) {
 }
 
 async function refreshStatus() {
+  // polls until the service is ready (models load in the background), then lists the models
+  let ready = false;
   try {
-    const ready = await fetch("/readyz");
-    const body = await ready.json();
-    $("status").textContent = ready.ok ? "ready" : `not ready: ${body.status}`;
-    $("status").className = ready.ok ? "status ok" : "status bad";
+    const response = await fetch("/readyz");
+    const body = await response.json();
+    ready = response.ok;
+    $("status").textContent = ready ? "ready" : `not ready: ${body.status}`;
+    $("status").className = ready ? "status ok" : "status bad";
   } catch (err) {
     $("status").textContent = "the service does not answer";
     $("status").className = "status bad";
   }
+  if (ready) loadModels();
+  else setTimeout(refreshStatus, 2000);
 }
 
 async function loadModels() {
-  const response = await fetch("/models", { headers: authHeaders() });
-  if (response.status === 401) {
-    askForKey("This server needs an API key to list its models and to run them.");
-    return;
+  try {
+    const response = await fetch("/models", { headers: authHeaders() });
+    if (response.status === 401) {
+      askForKey("This server needs an API key to list its models and to run them.");
+      return;
+    }
+    if (!response.ok) {
+      showError(await describeError(response));
+      return;
+    }
+    state.models = await response.json();
+    fillModels();
+  } catch (err) {
+    showError(`Could not list the models: ${err.message}`);
   }
-  if (!response.ok) {
-    showError(await describeError(response));
-    return;
-  }
-  state.models = await response.json();
-  fillModels();
 }
 
 function fillModels() {
@@ -76,26 +85,43 @@ function fillModels() {
 
 function showOptions() {
   for (const box of document.querySelectorAll(".options")) box.hidden = box.dataset.task !== task();
-  $("mask-canvas").hidden = task() !== "inpaint" || !state.file;
+  $("mask-canvas").hidden = task() !== "inpaint" || !state.paintable;
   fillModels();
+  clearResult();
+}
+
+function clearResult() {
+  state.last = null;
+  for (const id of ["compare", "stats", "download"]) $(id).hidden = true;
+  $("result-img").removeAttribute("src");
 }
 
 function setFile(file) {
   if (!file) return;
   state.file = file;
   state.painted = false;
+  state.paintable = false;
   $("filename").textContent = `${file.name} (${Math.round(file.size / 1024)} kB)`;
   if (state.inputUrl) URL.revokeObjectURL(state.inputUrl);
   state.inputUrl = URL.createObjectURL(file);
+  $("mask-file").value = "";
+  $("paint-note").hidden = true;
+  clearResult();
   const img = $("input-img");
   img.onload = () => {
     const canvas = $("mask-canvas");
     canvas.width = img.naturalWidth;
     canvas.height = img.naturalHeight;
     canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
+    state.paintable = true;
     canvas.hidden = task() !== "inpaint";
   };
-  img.onerror = () => showError("The browser cannot show this file; the service may still read it (TIFF, 16-bit).");
+  img.onerror = () => {
+    // TIFF or 16-bit files: the service reads them, the browser cannot draw them
+    $("mask-canvas").hidden = true;
+    $("paint-note").hidden = false;
+    img.removeAttribute("src");
+  };
   img.src = state.inputUrl;
   $("run").disabled = false;
   showError("");
@@ -103,29 +129,40 @@ function setFile(file) {
 
 // --- mask painting: strokes on a canvas with the image's own pixel size ---------------------------
 
-function paintAt(event) {
+function canvasPoint(event) {
   const canvas = $("mask-canvas");
   const rect = canvas.getBoundingClientRect();
-  const x = ((event.clientX - rect.left) / rect.width) * canvas.width;
-  const y = ((event.clientY - rect.top) / rect.height) * canvas.height;
-  const radius = (Number($("brush").value) / rect.width) * canvas.width;
-  const ctx = canvas.getContext("2d");
-  ctx.fillStyle = "rgba(255, 0, 0, 0.6)";
-  ctx.beginPath();
-  ctx.arc(x, y, radius / 2, 0, 2 * Math.PI);
-  ctx.fill();
-  state.painted = true;
+  return {
+    x: ((event.clientX - rect.left) / rect.width) * canvas.width,
+    y: ((event.clientY - rect.top) / rect.height) * canvas.height,
+    scale: canvas.width / rect.width,
+  };
 }
 
 function setupPainting() {
   const canvas = $("mask-canvas");
-  let down = false;
-  canvas.addEventListener("pointerdown", (e) => { down = true; canvas.setPointerCapture(e.pointerId); paintAt(e); });
-  canvas.addEventListener("pointermove", (e) => { if (down) paintAt(e); });
-  canvas.addEventListener("pointerup", () => { down = false; });
+  let last = null;
+  const stroke = (event) => {
+    // a line from the previous point, so fast strokes leave no gaps
+    const p = canvasPoint(event);
+    const ctx = canvas.getContext("2d");
+    ctx.strokeStyle = ctx.fillStyle = "rgba(255, 0, 0, 0.6)";
+    ctx.lineWidth = Number($("brush").value) * p.scale;
+    ctx.lineCap = ctx.lineJoin = "round";
+    ctx.beginPath();
+    ctx.moveTo((last || p).x, (last || p).y);
+    ctx.lineTo(p.x + 0.01, p.y);
+    ctx.stroke();
+    last = p;
+    state.painted = true;
+  };
+  canvas.addEventListener("pointerdown", (e) => { canvas.setPointerCapture(e.pointerId); last = null; stroke(e); });
+  canvas.addEventListener("pointermove", (e) => { if (last) stroke(e); });
+  canvas.addEventListener("pointerup", () => { last = null; });
   $("clear-mask").addEventListener("click", () => {
     canvas.getContext("2d").clearRect(0, 0, canvas.width, canvas.height);
     state.painted = false;
+    $("mask-file").value = "";
   });
 }
 
@@ -170,11 +207,13 @@ async function run(event) {
   event.preventDefault();
   if (!state.file) return;
   showError("");
+  const request = { task: task(), file: state.file, inputUrl: state.inputUrl };
+  state.last = request;
   $("run").disabled = true;
   $("run").textContent = "Solving…";
   const started = performance.now();
   try {
-    const response = await fetch(`/${task()}`, {
+    const response = await fetch(`/${request.task}`, {
       method: "POST",
       body: await buildForm(),
       headers: { Accept: "application/json", ...authHeaders() },
@@ -188,7 +227,8 @@ async function run(event) {
       showError(await describeError(response));
       return;
     }
-    showResult(await response.json(), elapsed);
+    const body = await response.json();
+    if (state.last === request) showResult(body, elapsed, request);  // not if the input changed since
   } catch (err) {
     showError(`The request failed: ${err.message}`);
   } finally {
@@ -197,13 +237,12 @@ async function run(event) {
   }
 }
 
-function showResult(body, elapsedMs) {
+function showResult(body, elapsedMs, request) {
   const url = `data:image/png;base64,${body.image}`;
-  state.resultUrl = url;
   $("result-img").src = url;
-  $("compare-before").src = state.inputUrl;
+  $("compare-before").src = request.inputUrl;
   $("compare-after").src = url;
-  $("compare").hidden = false;
+  $("compare").hidden = !state.paintable;  // the browser could draw the input
   updateCompare();
   $("stat-model").textContent = body.model;
   $("stat-iterations").textContent = body.solver.iterations;
@@ -226,7 +265,7 @@ function showResult(body, elapsedMs) {
   $("stats").hidden = false;
   const link = $("download");
   link.href = url;
-  link.download = `kdeq-${task()}-${state.file.name.replace(/\.[^.]*$/, "")}.png`;
+  link.download = `kdeq-${request.task}-${request.file.name.replace(/\.[^.]*$/, "")}.png`;
   link.hidden = false;
 }
 
@@ -240,6 +279,11 @@ function setup() {
   for (const radio of document.querySelectorAll("input[name=task]")) radio.addEventListener("change", showOptions);
   $("file").addEventListener("change", () => setFile($("file").files[0]));
   const drop = $("drop");
+  drop.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" || e.key === " ") { e.preventDefault(); $("file").click(); }
+  });
+  // a file dropped beside the zone must not replace the page
+  for (const kind of ["dragover", "drop"]) document.addEventListener(kind, (e) => e.preventDefault());
   drop.addEventListener("dragover", (e) => { e.preventDefault(); drop.classList.add("over"); });
   drop.addEventListener("dragleave", () => drop.classList.remove("over"));
   drop.addEventListener("drop", (e) => {
@@ -265,7 +309,6 @@ function setup() {
   setupPainting();
   showOptions();
   refreshStatus();
-  loadModels();
 }
 
 document.addEventListener("DOMContentLoaded", setup);
