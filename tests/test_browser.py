@@ -83,9 +83,9 @@ def run_task(page, task: str, image: Path) -> None:
     page.check(f"input[name=task][value={task}]")
     page.set_input_files("#file", str(image))
     # locator waits, not wait_for_function: the page's CSP forbids the eval that polling would need
-    page.locator("#input-img[src^='blob:']").wait_for()
     page.locator("#run:not([disabled])").wait_for()
     if task == "inpaint":
+        page.locator("#mask-canvas:not([hidden])").wait_for()  # the image is drawn and can be painted
         box = page.locator("#mask-canvas").bounding_box()
         page.mouse.move(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.4)
         page.mouse.down()
