@@ -271,6 +271,8 @@ def read_config(directory: Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file") from None
+    except OSError as err:  # unreadable: permissions, a directory, an I/O error
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
     if not isinstance(raw, dict):
@@ -301,6 +303,8 @@ def load_checkpoint(directory: str | Path) -> Checkpoint:
         blob = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file") from None
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot be read ({err.strerror or err})") from None
     if blob[8:9] != b"{" and (blob[:2] in PICKLE_MAGIC or blob[:4] == b"PK\x03\x04"):
         raise CheckpointError(f"{path}: a pickle (torch.save) file, not safetensors; it is never unpickled")
     digest = hashlib.sha256(blob).hexdigest()

@@ -17,6 +17,7 @@ from kdeq.segment import Segmenter
 
 PREDICTORS: dict[str, type[Predictor]] = {"denoise": Denoiser, "inpaint": Inpainter, "segment": Segmenter}
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+VERSION = re.compile(r"^[0-9]{1,9}$")  # ASCII digits only: str.isdigit() also accepts "²"
 
 
 def default_models_dir() -> Path:
@@ -43,7 +44,8 @@ def list_models(root: Path) -> list[ModelEntry]:
         return entries
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir() and NAME.match(p.name)):
         for vdir in sorted(
-            (p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+            (p for p in model_dir.iterdir() if p.is_dir() and VERSION.match(p.name)),
+            key=lambda p: int(p.name),
         ):
             try:
                 config, error = read_config(vdir), None
@@ -57,7 +59,7 @@ def find_model(root: Path, name: str, version: int | None = None) -> Path:
     """The folder of ``name`` at ``version`` (default the highest); ``LookupError`` if absent."""
     if not NAME.match(name):
         raise LookupError(f"invalid model name {name!r}")
-    versions = sorted(int(p.name) for p in (root / name).glob("*") if p.is_dir() and p.name.isdigit())
+    versions = sorted(int(p.name) for p in (root / name).glob("*") if p.is_dir() and VERSION.match(p.name))
     if not versions:
         raise LookupError(f"no model {name!r} in {root}")
     if version is None:

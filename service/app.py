@@ -42,7 +42,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     # added innermost first: metrics see every response, including the key and size refusals
     app.add_middleware(BodyLimit, max_bytes=settings.max_upload_bytes, metrics=service.metrics)
-    app.add_middleware(Admission, refusal=service.engine.refusal)
+    app.add_middleware(Admission, admit=service.engine.admit, release=service.engine.release)
     key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app.add_middleware(ApiKey, key=key)
     app.add_middleware(RequestMetrics, metrics=service.metrics)

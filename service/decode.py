@@ -61,6 +61,11 @@ def _planes(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(planes, dtype=np.float32)
 
 
+def _unit(im: Image.Image) -> np.ndarray:
+    """8-bit pixels as float32 in [0, 1], without a float64 temporary."""
+    return np.asarray(im, dtype=np.float32) / np.float32(255)
+
+
 def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
     if not data:
         raise ApiError(400, "empty_file", f"`{field}` is empty")
@@ -102,15 +107,15 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
         arr = arr if im.mode == "F" else arr / 65535.0
         pixels, mode = _planes(np.clip(np.nan_to_num(arr), 0.0, 1.0)), "I;16"
     elif im.mode in {"1", "L"} and not im.has_transparency_data:
-        pixels, mode = _planes(np.asarray(im.convert("L")) / 255.0), "L"
+        pixels, mode = _planes(_unit(im.convert("L"))), "L"
     elif im.mode in {"1", "L", "LA", "La"}:
-        arr = np.asarray(im.convert("LA")) / 255.0
+        arr = _unit(im.convert("LA"))
         pixels, alpha, mode = _planes(arr[..., 0]), _planes(arr[..., 1]), "LA"
     elif im.mode in {"RGBA", "RGBa", "PA"} or im.has_transparency_data:
-        arr = np.asarray(im.convert("RGBA")) / 255.0
+        arr = _unit(im.convert("RGBA"))
         pixels, alpha, mode = _planes(arr[..., :3]), _planes(arr[..., 3]), "RGBA"
     else:
-        pixels, mode = _planes(np.asarray(im.convert("RGB")) / 255.0), "RGB"
+        pixels, mode = _planes(_unit(im.convert("RGB"))), "RGB"
     return DecodedImage(pixels, alpha, mode)
 
 

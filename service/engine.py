@@ -10,8 +10,13 @@ decoded (``incoming``), since otherwise nothing can join. Blocking torch work
 runs only on the workers, never on the event loop.
 
 When the runner refuses a batch with a 503 (the device ran out of memory), the
-batch's requests get that 503 and the batch limit halves; it grows back by one
-after ``RECOVERY_BATCHES`` full batches succeed at the lower limit.
+batch's requests get that 503 and the batch limit halves (a single request's
+refusal leaves it alone); it grows back by one after ``RECOVERY_BATCHES`` full
+batches succeed at the lower limit.
+
+Admission counts from arrival: ``admit`` refuses a request (503 ``queue_full``)
+when the queued requests plus those admitted but not yet queued (uploading,
+decoding) fill the queue, so a burst is refused before its uploads are read.
 """
 
 from __future__ import annotations
@@ -121,19 +126,32 @@ class Engine:
         """Whether every worker thread is running."""
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
 
+    def admit(self) -> Ticket:
+        """Count a new request against the queue's capacity from its arrival (before its upload is
+        read) until ``infer`` queues it or ``release`` gives the place back; raises the 503 it gets
+        when the engine is not running or queued plus admitted requests fill the queue."""
+        with self._cond:
+            refusal = self._refusal(self._incoming)
+            if refusal is not None:
+                raise refusal
+            self._incoming += 1
+            return Ticket()
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back an admitted request's place if it never reached the queue."""
+        with self._cond:
+            self._arrived(ticket)
+            self._cond.notify_all()
+
     @contextlib.contextmanager
     def incoming(self) -> Iterator[Ticket]:
-        """Mark a request as on its way to the queue (being decoded) until ``infer`` queues it with
-        this ticket, or the block ends; batches wait only while such requests exist."""
-        ticket = Ticket()
-        with self._cond:
-            self._incoming += 1
+        """``admit`` for the length of a block, then ``release``; batches wait while such requests
+        (admitted, not yet queued) exist, since they can still join."""
+        ticket = self.admit()
         try:
             yield ticket
         finally:
-            with self._cond:
-                self._arrived(ticket)
-                self._cond.notify_all()
+            self.release(ticket)
 
     def _arrived(self, ticket: Ticket | None) -> None:
         # called with the lock held, so a worker never sees the request neither incoming nor queued
@@ -141,13 +159,13 @@ class Engine:
             ticket.used = True
             self._incoming -= 1
 
-    def refusal(self) -> ApiError | None:
-        """The 503 a new request would get now (stopping, queue full), or ``None``; counted."""
+    def _refusal(self, admitted: int) -> ApiError | None:
+        """The 503 for a new request now (stopping, or ``admitted`` + queued fill the queue), counted."""
         if self._stopping or not self._threads:
             reason = "draining" if self._stopping else "not_ready"
             self.metrics.rejected.labels(reason).inc()
             return ApiError(503, reason, "the inference engine is not running", {"Retry-After": "5"})
-        if len(self._queue) >= self.queue_size:
+        if len(self._queue) + admitted >= self.queue_size:
             self.metrics.rejected.labels("queue_full").inc()
             return ApiError(
                 503,
@@ -161,7 +179,8 @@ class Engine:
         """Queue ``job`` and await its result; 503 when the queue is full, 504 past the deadline."""
         with self._cond:
             self._arrived(ticket)
-            refusal = self.refusal()
+            # an admitted request already holds its place; one without a ticket must find one
+            refusal = self._refusal(0) if ticket is None else None
             if refusal is not None:
                 raise refusal
             job.enqueued_at = time.monotonic()
@@ -242,15 +261,20 @@ class Engine:
             if len(batch) == 1:
                 return [err]
             log.warning("batch of %d failed (%s); retrying each request alone", len(batch), err)
+            for job in batch:
+                job.batch_size = 1
             return [self._run(device, [job])[0] for job in batch]
         self._recover(len(batch))
         return outcomes
 
     def _back_off(self, size: int, err: ApiError) -> None:
+        self.metrics.rejected.labels("out_of_memory").inc(size)
+        if size == 1:  # one request too large for the device: no smaller batch would help
+            return
         with self._cond:
-            self.batch_limit = max(1, min(self.batch_limit, size // 2))
+            self.batch_limit = max(1, min(self.batch_limit, size) // 2)
             self._streak = 0
-        self.metrics.batch_limit.set(self.batch_limit)
+            self.metrics.batch_limit.set(self.batch_limit)
         log.warning("a batch of %d was refused (%s); batch limit now %d", size, err.detail, self.batch_limit)
 
     def _recover(self, size: int) -> None:
@@ -262,7 +286,7 @@ class Engine:
                 return
             self.batch_limit += 1
             self._streak = 0
-        self.metrics.batch_limit.set(self.batch_limit)
+            self.metrics.batch_limit.set(self.batch_limit)
 
 
 def _deliver(future: asyncio.Future, outcome: Any) -> None:

@@ -27,9 +27,17 @@ from prometheus_client.registry import Collector
 
 # the statuses the inference routes answer with; their series start at 0 so that rate() sees the
 # first error (a counter series born at 3 has no increase until its next change)
-INFERENCE_ENDPOINTS = ("/denoise", "/inpaint", "/segment")
+INFERENCE_ROUTES = frozenset({"/denoise", "/inpaint", "/segment"})
 INFERENCE_STATUSES = ("200", "400", "401", "404", "413", "415", "422", "500", "503", "504")
-REJECTION_REASONS = ("queue_full", "draining", "not_ready", "timeout", "body_too_large", "too_many_pixels")
+REJECTION_REASONS = (
+    "queue_full",
+    "draining",
+    "not_ready",
+    "timeout",
+    "body_too_large",
+    "too_many_pixels",
+    "out_of_memory",
+)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RESIDUAL_BUCKETS = tuple(10.0**e for e in range(-10, 1))
 # a residual that is not finite is recorded as this value (it lands above every finite bucket)
@@ -174,7 +182,7 @@ class Metrics:
         )
         for reason in REJECTION_REASONS:
             self.rejected.labels(reason)
-        for endpoint in INFERENCE_ENDPOINTS:
+        for endpoint in sorted(INFERENCE_ROUTES):
             for status in INFERENCE_STATUSES:
                 self.http_requests.labels(endpoint, status)
         if any(d.startswith("cuda") for d in devices):

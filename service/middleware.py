@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from service.engine import Ticket
 from service.errors import ApiError
-from service.metrics import Metrics
+from service.metrics import INFERENCE_ROUTES, Metrics
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -22,7 +24,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-INFERENCE_ROUTES = frozenset({"/denoise", "/inpaint", "/segment"})
 # the API key guards these; health, readiness and metrics stay open for probes and scrapers
 PROTECTED_ROUTES = INFERENCE_ROUTES | {"/models"}
 ROUTES = INFERENCE_ROUTES | {"/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/"}
@@ -111,20 +112,30 @@ class ApiKey:
 
 
 class Admission:
-    """Refuses an inference request at once, before its upload is read, when ``refusal()`` says the
-    engine cannot take it now (not started, stopping, queue full): 503 with ``Retry-After``."""
+    """Admits an inference request at arrival, before its upload is read, or refuses it at once with
+    503 and ``Retry-After`` (engine not running or stopping, queue full counting the requests already
+    admitted). The admission ``Ticket`` is ``scope["state"]["kdeq_ticket"]`` for the route; its place
+    is given back when the request ends without reaching the queue."""
 
-    def __init__(self, app: ASGIApp, refusal: Callable[[], ApiError | None]) -> None:
+    def __init__(self, app: ASGIApp, admit: Callable[[], Ticket], release: Callable[[Ticket], None]) -> None:
         self.app = app
-        self.refusal = refusal
+        self.admit = admit
+        self.release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("path") in INFERENCE_ROUTES and scope["method"] == "POST":
-            err = self.refusal()
-            if err is not None:
-                await _send_error(send, err.status_code, err.error, str(err.detail), dict(err.headers or {}))
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope.get("path") not in INFERENCE_ROUTES or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        try:
+            ticket = self.admit()
+        except ApiError as err:
+            await _send_error(send, err.status_code, err.error, str(err.detail), dict(err.headers or {}))
+            return
+        scope.setdefault("state", {})["kdeq_ticket"] = ticket
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.release(ticket)
 
 
 class BodyLimit:
@@ -143,7 +154,7 @@ class BodyLimit:
         endpoint = endpoint_label(scope)
         declared = _header(scope, b"content-length")
         if declared is not None:
-            if not declared.strip().isdigit():
+            if not re.fullmatch(r"[0-9]{1,18}", declared.strip()):
                 await _send_error(send, 400, "bad_request", "invalid Content-Length", {"Connection": "close"})
                 return
             if int(declared) > self.max_bytes:

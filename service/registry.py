@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kdeq.checkpoint import CheckpointError, ModelConfig, read_config
 from kdeq.predictor import Predictor
-from kdeq.repository import NAME, find_model, list_models, load_predictor
+from kdeq.repository import NAME, VERSION, find_model, list_models, load_predictor
 from service.errors import ApiError
 from service.tasks import solve_batch, warmup_input
 
@@ -106,7 +106,7 @@ class ModelRegistry:
             return default
         candidates = [s for s in self.slots.values() if s.ready and s.task == task]
         name, _, ver = requested.partition(":")
-        if not NAME.match(name) or (ver and not ver.isdigit()):
+        if not NAME.match(name) or (ver and not VERSION.match(ver)):
             raise ApiError(400, "invalid_model", f"`model` must be NAME or NAME:VERSION, got {requested!r}")
         matches = [
             (int(slot_ver), slot)

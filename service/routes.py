@@ -164,24 +164,24 @@ async def _infer(
 ) -> Response:
     svc = _service(request)
     start = time.monotonic()
-    with svc.engine.incoming() as ticket:
-        try:
-            task_input, decoded = await run_in_threadpool(make_input)
-        except ApiError as err:
-            if err.error == "too_many_pixels":
-                svc.metrics.rejected.labels("too_many_pixels").inc()
-            raise
-        decoded_at = time.monotonic()
-        h, w = task_input.image.shape[-2:]
-        job = Job(
-            endpoint=endpoint,
-            model=slot.id,
-            batch_key=task_input.batch_key(slot.id),
-            payload=task_input,
-            pixels=h * w,
-            deadline=start + svc.settings.request_timeout_seconds,
-        )
-        solved: Solved = await svc.engine.infer(job, ticket)
+    ticket = request.state.kdeq_ticket  # admitted by the Admission middleware
+    try:
+        task_input, decoded = await run_in_threadpool(make_input)
+    except ApiError as err:
+        if err.error == "too_many_pixels":
+            svc.metrics.rejected.labels("too_many_pixels").inc()
+        raise
+    decoded_at = time.monotonic()
+    h, w = task_input.image.shape[-2:]
+    job = Job(
+        endpoint=endpoint,
+        model=slot.id,
+        batch_key=task_input.batch_key(slot.id),
+        payload=task_input,
+        pixels=h * w,
+        deadline=start + svc.settings.request_timeout_seconds,
+    )
+    solved: Solved = await svc.engine.infer(job, ticket)
     done_at = time.monotonic()
     mode, alpha = output_mode(decoded)
     png = await run_in_threadpool(encode_png, solved.output, mode, alpha)

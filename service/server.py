@@ -4,8 +4,9 @@ On SIGTERM ``/readyz`` turns 503 at once while requests are still served for
 ``KDEQ_DRAIN_SECONDS`` (so a load balancer stops sending new ones); then the
 listener closes, requests in flight complete (up to the request timeout), the
 queue empties and the process exits 0. SIGINT, or a second SIGTERM during the
-drain, skips the rest of the drain: uvicorn's own shutdown starts at once and
-the process ends by that signal (a third stops without waiting for requests).
+drain, skips the rest of the drain: uvicorn's own graceful shutdown starts at
+once and the process ends by that signal (a SIGINT during that shutdown stops
+without waiting for requests).
 """
 
 from __future__ import annotations

@@ -172,3 +172,10 @@ def test_spec_rejects_cg_for_segmentation() -> None:
     raw["solver"]["method"] = "cg"
     with pytest.raises(ValueError, match="not affine"):
         ModelSpec.model_validate(raw)
+
+
+def test_an_unreadable_config_is_a_checkpoint_error(ckpt: Path) -> None:
+    (ckpt / "config.json").unlink()
+    (ckpt / "config.json").mkdir()  # a directory where the file should be
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        load_checkpoint(ckpt)

@@ -233,3 +233,24 @@ def test_a_refused_batch_halves_the_limit_and_full_batches_grow_it_back(monkeypa
     assert run(scenario, eng) == 3
     assert sizes[:2] == [1, 5] and all(s <= 2 for s in sizes[2:])
     assert "kdeq_batch_size_limit 3.0" in metrics.render().decode()
+
+
+def test_admission_counts_requests_not_yet_queued() -> None:
+    """A burst is refused at arrival: queued plus admitted-but-uploading requests fill the queue."""
+    runner = Runner()
+    runner.release.set()
+    eng, metrics = engine(runner, queue_size=2)
+    eng.start(["cpu"])
+    try:
+        first, second = eng.admit(), eng.admit()
+        with pytest.raises(ApiError) as err:
+            eng.admit()
+        assert err.value.status_code == 503 and err.value.error == "queue_full"
+        eng.release(first)  # an admitted request that gave up frees its place
+        third = eng.admit()
+        for ticket in (second, third):
+            eng.release(ticket)
+        assert eng.admit() is not None
+    finally:
+        eng.stop()
+    assert 'kdeq_rejected_requests_total{reason="queue_full"} 1.0' in metrics.render().decode()

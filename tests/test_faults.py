@@ -177,10 +177,12 @@ def test_out_of_memory_gives_503_and_the_service_keeps_serving(monkeypatch) -> N
         monkeypatch.setattr(predictor, "predict", predict)
         r = c.post("/denoise", files={"image": PNG})
         assert r.status_code == 503 and r.json()["error"] == "out_of_memory" and r.headers["retry-after"]
-        assert c.app.state.service.engine.batch_limit == 1
+        # a single request too large for the device says nothing about batches: the limit stays
+        assert c.app.state.service.engine.batch_limit == 8
         assert c.post("/denoise", files={"image": PNG}).status_code == 200
         text = c.get("/metrics").text
-        assert metric(text, "kdeq_batch_size_limit") == 1
+        assert metric(text, "kdeq_batch_size_limit") == 8
+        assert metric(text, "kdeq_rejected_requests_total", reason="out_of_memory") == 1
         assert metric(text, "kdeq_http_requests_total", endpoint="/denoise", status="503") == 1
 
 

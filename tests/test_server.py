@@ -91,7 +91,8 @@ def test_full_queue_rejects_at_once_and_timeouts_give_504(tmp_path) -> None:
 
         results = concurrently(10, timed)
         codes = [c for c, _, _ in results]
-        assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 2
+        # queue 1: one request waits (uploading, decoding or queued) beside the one being solved
+        assert set(codes) <= {200, 503} and codes.count(503) >= 5 and codes.count(200) >= 1
         rejected = [t for c, t, _ in results if c == 503]
         assert all(retry == "1" for c, _, retry in results if c == 503)
         assert min(rejected) < 1.0  # refused on arrival, not after waiting
