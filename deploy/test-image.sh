@@ -111,6 +111,10 @@ echo "project benchmark/test files or research images in the image: $extra"
 [ "$extra" = 0 ] || fail "benchmark, test or research files in the image"
 families=$(curl -sS "http://127.0.0.1:$port/metrics" | grep -c '^# TYPE kdeq_')
 echo "metrics families: $families"
+page=$(curl -sS -o /dev/null -w '%{http_code} %{content_type}' "http://127.0.0.1:$port/")
+script=$(curl -sS -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/static/app.js")
+echo "page: $page, app.js: $script"
+[ "${page%% *}" = 200 ] && [ "$script" = 200 ] || fail "the page or its files are missing from the image"
 
 step "SIGTERM: drain and exit"
 podman stop -t 30 kdeq-test >/dev/null
