@@ -66,6 +66,10 @@ def _unit(im: Image.Image) -> np.ndarray:
     return np.asarray(im, dtype=np.float32) / np.float32(255)
 
 
+def _undecodable(field: str, err: Exception) -> ApiError:
+    return ApiError(415, "unsupported_media_type", f"`{field}` cannot be decoded: {err}")
+
+
 def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
     if not data:
         raise ApiError(400, "empty_file", f"`{field}` is empty")
@@ -78,7 +82,7 @@ def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
             415, "unsupported_media_type", f"`{field}` is not a PNG, JPEG, WebP or TIFF image"
         ) from None
     except (OSError, ValueError, SyntaxError) as err:
-        raise ApiError(415, "unsupported_media_type", f"`{field}` cannot be decoded: {err}") from None
+        raise _undecodable(field, err) from None
     width, height = im.size
     if width * height > max_pixels:
         raise ApiError(
@@ -100,7 +104,7 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
         im = ImageOps.exif_transpose(im)
         im.load()
     except (OSError, ValueError, SyntaxError) as err:
-        raise ApiError(415, "unsupported_media_type", f"`{field}` cannot be decoded: {err}") from None
+        raise _undecodable(field, err) from None
     alpha = None
     if im.mode in SIXTEEN_BIT:
         arr = np.asarray(im, dtype=np.float32)

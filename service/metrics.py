@@ -25,6 +25,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from service import __version__
+
 # the statuses the inference routes answer with; their series start at 0 so that rate() sees the
 # first error (a counter series born at 3 has no increase until its next change)
 INFERENCE_ROUTES = frozenset({"/denoise", "/inpaint", "/segment"})
@@ -96,8 +98,6 @@ class Metrics:
     """Every metric the service exports; ``render()`` is the ``/metrics`` body."""
 
     def __init__(self, iteration_caps: Iterable[int], devices: list[str]) -> None:
-        from service import __version__
-
         r = self.registry = CollectorRegistry()
         self.solver_iterations = Histogram(
             "kdeq_solver_iterations",
@@ -195,9 +195,8 @@ class Metrics:
         self.solver_iterations.labels(endpoint, model).observe(iterations)
         value = residual if math.isfinite(residual) else RESIDUAL_NONFINITE
         self.solver_residual.labels(endpoint, model).observe(value)
-        counter = self.solver_nonconverged.labels(endpoint, model)
         if not converged:
-            counter.inc()
+            self.solver_nonconverged.labels(endpoint, model).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

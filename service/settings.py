@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from kdeq.predictor import resolve_device
@@ -109,8 +110,6 @@ class Settings(BaseModel):
 
     def devices(self) -> list[str]:
         """The concrete devices: ``auto`` becomes every CUDA device, or ``cpu`` without one."""
-        import torch
-
         if self.device == ("auto",):
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             return [f"cuda:{i}" for i in range(count)] or ["cpu"]

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx2 as httpx
 import numpy as np
+import pytest
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
@@ -24,8 +26,6 @@ MODELS = ROOT / "models"
 def missing_tool(reason: str) -> None:
     """Skip for lack of an external tool, except under CI (``CI`` set, as ``.ci/run`` does), where
     the tool is installed on purpose and its absence must fail the run rather than hide a check."""
-    import pytest
-
     if os.environ.get("CI"):
         pytest.fail(f"CI needs it: {reason}")
     pytest.skip(reason)
@@ -122,8 +122,6 @@ def wait_ready(server: Server, timeout: float = 90.0) -> None:
 
 def metric(text: str, name: str, **labels: str) -> float:
     """The value of the sample ``name{labels}`` in a Prometheus text exposition (0 when absent)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     total = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

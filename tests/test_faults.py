@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import pickle
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from kdeq.checkpoint import FixedLambda, ModelSpec, save_checkpoint
 from kdeq.initialize import DEFAULT_SPECS, init_tensors
@@ -39,14 +40,10 @@ def copy_defaults(tmp_path: Path) -> Path:
 def rewrite_weights(directory: Path, change) -> None:
     """Apply ``change`` to the tensors and rewrite them with a matching sha256, so that only the
     change itself is wrong."""
-    from safetensors.torch import load_file
-
     tensors = load_file(directory / "weights.safetensors")
     change(tensors)
     save_file(tensors, directory / "weights.safetensors")
     blob = (directory / "weights.safetensors").read_bytes()
-    import hashlib
-
     config = json.loads((directory / "config.json").read_text())
     config["weights_sha256"] = hashlib.sha256(blob).hexdigest()
     (directory / "config.json").write_text(json.dumps(config))
