@@ -8,6 +8,8 @@ the service ready, so ``/healthz`` answers from the first moment while
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import threading
 from typing import Literal
@@ -24,6 +26,18 @@ from service.tasks import Solved, solve_batch
 log = logging.getLogger("kdeq.service")
 
 Phase = Literal["starting", "ready", "draining", "stopped"]
+
+# glibc keeps memory freed after a large solve for reuse, so the resident size stays at the largest
+# request's peak and wanders with fragmentation; after a batch this large it is handed back
+TRIM_PIXELS = 1 << 20
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+
+
+def trim_heap() -> None:
+    """Return freed heap memory to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class Service:
@@ -104,6 +118,8 @@ class Service:
         slot = self.registry.slots[jobs[0].model]
         try:
             solved = solve_batch(slot.predictors[device], [job.payload for job in jobs])
+            if sum(job.pixels for job in jobs) >= TRIM_PIXELS:
+                trim_heap()
         except (torch.OutOfMemoryError, MemoryError):
             raise ApiError(
                 503, "out_of_memory", f"not enough memory on {device} for this request", {"Retry-After": "5"}
