@@ -5,6 +5,8 @@
 - ``kdeq models``: list the repository;
 - ``kdeq samples DIR``: write generated sample images to try the models on;
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
+- ``kdeq train …``: fine-tune a checkpoint on images (``kdeq.train``);
+- ``kdeq experiment init-compare …``: the paper's kGLM-vs-random initialisation experiment;
 - ``kdeq demo``: see below;
 - commands of other installed packages, registered under the ``kdeq.commands`` entry-point
   group (``kdeq serve`` comes from the ``service`` package, which ``kdeq`` never imports).
@@ -39,6 +41,8 @@ from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
 from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
+from kdeq.train import cli as train_cli
+from kdeq.train import init_compare
 
 
 def test_image(size: int) -> torch.Tensor:
@@ -193,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument("spec", nargs="*", help="ModelSpec JSON files")
     p_init.add_argument("--defaults", action="store_true", help="rebuild the shipped default models")
     p_init.add_argument("--models-dir", default=models_dir)
+    p_train = sub.add_parser("train", help="fine-tune a checkpoint from the kGLM start on images")
+    train_cli.add_arguments(p_train)
+    p_train.set_defaults(handler=train_cli.run)
+    p_exp = sub.add_parser("experiment", help="reproduce the paper's experiments")
+    exp_sub = p_exp.add_subparsers(dest="experiment", required=True)
+    p_ic = exp_sub.add_parser("init-compare", help="kGLM vs random initialisation (paper §4, Table 1)")
+    init_compare.add_arguments(p_ic)
+    p_ic.set_defaults(handler=init_compare.main)
 
     for plugin in entry_points(group="kdeq.commands"):
         try:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from kdeq.adaptive import GuidedMap, apply_weights, guided_weights, normalize_weights
-from kdeq.checkpoint import GuidedArchitecture, NoiseLambda
+from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
@@ -51,26 +51,30 @@ class Denoiser(Predictor):
             raise ValueError("sigma must be a finite noise level in [0, 255]")
         return s / 255.0
 
-    def predict(
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
+        super().__init__(checkpoint, device)
+        #: factor on the guided kernel's bandwidth ``h`` (learned by the trainer, 1 when loaded)
+        self.bandwidth_scale: float | torch.Tensor = 1.0
+
+    def forward(
         self,
         images: torch.Tensor,
         sigma: float | Sequence[float] | torch.Tensor | None = None,
         solver: SolverOverride | None = None,
     ) -> Prediction:
         """Denoise ``images`` ``(B, c, H, W)``; ``sigma`` on the 0–255 scale, scalar or ``(B,)``."""
-        with torch.inference_mode():
-            x = self.images(images)
-            s = self.noise_level(x, sigma)
-            rule = self.config.lam
-            lam = rule(s)
-            cfg = self.solver(solver)
-            if isinstance(self.config.architecture, GuidedArchitecture):
-                floor = rule.min_sigma / 255.0 if isinstance(rule, NoiseLambda) else 0.0
-                layer, mean = self._guided(x, s.clamp(min=floor), lam)
-            else:
-                layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x)
-            out = layer(x, mean=mean, mean_out=mean, solver=cfg)
-            return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
+        x = self.images(images)
+        s = self.noise_level(x, sigma)
+        rule = self.config.lam
+        lam = self.lam(s)
+        cfg = self.solver(solver)
+        if isinstance(self.config.architecture, GuidedArchitecture):
+            floor = rule.min_sigma / 255.0 if isinstance(rule, NoiseLambda) else 0.0
+            layer, mean = self._guided(x, s.clamp(min=floor), lam)
+        else:
+            layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x)
+        out = layer(x, mean=mean, mean_out=mean, solver=cfg)
+        return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
 
     def _guided(self, x: torch.Tensor, s: torch.Tensor, lam: torch.Tensor) -> tuple[KGLMDEQ, torch.Tensor]:
         arch = self.config.architecture
@@ -78,7 +82,7 @@ class Denoiser(Predictor):
         taps = self.tensors["smoothing"]
         guide = separable_blur(x, taps)
         # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
-        h2 = kern.h2(x.shape[1], s * taps.square().sum())
+        h2 = kern.h2(x.shape[1], s * taps.square().sum()) * self.bandwidth_scale**2
         w0 = guided_weights(guide, self.tensors["spatial"], kern.patch_radius, h2)
         degree = apply_weights(w0, torch.ones_like(x[:, :1]))
         mean = apply_weights(w0, x) / degree if self.config.mean == "local" else self.mean(x)

@@ -23,28 +23,27 @@ class Inpainter(Predictor):
 
     task = "inpaint"
 
-    def predict(
+    def forward(
         self, images: torch.Tensor, missing: torch.Tensor, solver: SolverOverride | None = None
     ) -> Prediction:
         """``images`` ``(B, c, H, W)``; ``missing`` ``(B, 1, H, W)`` or ``(B, H, W)``, non-zero = missing.
 
         Values of ``images`` at missing pixels are ignored.
         """
-        with torch.inference_mode():
-            x = self.images(images)
-            miss = torch.as_tensor(missing, device=self.device)
-            if miss.dim() == 3:
-                miss = miss[:, None]
-            if miss.shape != (x.shape[0], 1, *x.shape[-2:]):
-                raise ValueError(f"mask shape {tuple(miss.shape)} does not match the images {tuple(x.shape)}")
-            observed = (miss == 0).to(torch.float32)
-            empty = observed.sum(dim=(1, 2, 3)) == 0
-            if bool(empty.any()):
-                raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no observed pixels")
-            y = x * observed
-            lam = self.config.lam(torch.zeros(x.shape[0], device=self.device))
-            mean = self.mean(y, observed)
-            out = self.conv_layer(Gaussian(), lam)(
-                y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
-            )
-            return Prediction(torch.where(observed > 0, x, out.eta), out.stats, lam)
+        x = self.images(images)
+        miss = torch.as_tensor(missing, device=self.device)
+        if miss.dim() == 3:
+            miss = miss[:, None]
+        if miss.shape != (x.shape[0], 1, *x.shape[-2:]):
+            raise ValueError(f"mask shape {tuple(miss.shape)} does not match the images {tuple(x.shape)}")
+        observed = (miss == 0).to(torch.float32)
+        empty = observed.sum(dim=(1, 2, 3)) == 0
+        if bool(empty.any()):
+            raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no observed pixels")
+        y = x * observed
+        lam = self.lam(torch.zeros(x.shape[0], device=self.device))
+        mean = self.mean(y, observed)
+        out = self.conv_layer(Gaussian(), lam)(
+            y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
+        )
+        return Prediction(torch.where(observed > 0, x, out.eta), out.stats, lam)

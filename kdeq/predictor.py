@@ -2,9 +2,10 @@
 
 A predictor is built from a validated checkpoint on a device and maps a batch
 of same-size images ``(B, c, H, W)`` (float, nominally in [0, 1]) to a
-``Prediction``: outputs plus per-sample solver statistics. Predictions run
-under ``torch.inference_mode()``; a per-call ``SolverOverride`` changes the
-tolerance or the iteration cap.
+``Prediction``: outputs plus per-sample solver statistics. ``forward`` is the
+differentiable computation (the trainer calls it with its tensors requiring
+gradients); ``predict`` runs it under ``torch.inference_mode()``. A per-call
+``SolverOverride`` changes the tolerance or the iteration cap.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kdeq.conv import ScaledConv
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Family
 from kdeq.filters import gaussian_taps, normalized_convolution, observed_mean
+from kdeq.implicit import Backward
 from kdeq.priors import GaussianPrior
 from kdeq.solvers import SolverConfig, SolverStats
 
@@ -77,7 +79,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 class Predictor:
-    """Base of the task models; subclasses set ``task`` and implement ``predict``."""
+    """Base of the task models; subclasses set ``task`` and implement ``forward``.
+
+    Attributes:
+        tensors: the checkpoint's tensors on the device (the trainer swaps in its parameters).
+        lam_scale: factor on the checkpoint's ``λ`` rule, 1 for a loaded model (the trainer learns
+            it as a tensor and folds it back into the rule when it writes a checkpoint).
+    """
 
     task: ClassVar[str]
 
@@ -88,6 +96,21 @@ class Predictor:
         self.device = resolve_device(device)
         self.tensors = {k: v.to(self.device) for k, v in checkpoint.tensors.items()}
         self.mean_taps = gaussian_taps(self.config.mean_smoothing).to(self.device)
+        self.lam_scale: float | torch.Tensor = 1.0
+        #: gradient of the equilibrium layers (``kdeq.implicit``), used when autograd is on
+        self.backward: Backward = "implicit"
+
+    def forward(self, *args: object, **kwargs: object) -> Prediction:
+        raise NotImplementedError
+
+    def predict(self, *args: object, **kwargs: object) -> Prediction:
+        """``forward`` (see the subclass for its arguments) without autograd."""
+        with torch.inference_mode():
+            return self.forward(*args, **kwargs)
+
+    def lam(self, sigma: torch.Tensor) -> torch.Tensor:
+        """``λ`` ``(B,)``: the checkpoint's rule at ``sigma`` ``(B,)`` (in [0, 1]) times ``lam_scale``."""
+        return self.config.lam(sigma) * self.lam_scale
 
     @property
     def name(self) -> str:
@@ -142,6 +165,7 @@ class Predictor:
             kernel_map("v1", -inv),
             kernel_map("v2", inv),
             self.config.solver,
+            self.backward,
         )
 
     def conv_layer(self, family: Family, lam: torch.Tensor) -> KGLMDEQ:

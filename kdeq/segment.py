@@ -52,30 +52,29 @@ class Segmenter(Predictor):
         super().__init__(checkpoint, device)
         self.presmooth_taps = gaussian_taps(self.config.presmooth).to(self.device)
 
-    def predict(
+    def forward(
         self, images: torch.Tensor, threshold: float | None = None, solver: SolverOverride | None = None
     ) -> Prediction:
         """``images`` ``(B, c, H, W)``; ``threshold`` on the images' [0, 1] scale (default Otsu's per image).
 
         ``output`` is the foreground probability ``(B, 1, H, W)`` and ``mask`` its ``> 1/2`` set.
         """
-        with torch.inference_mode():
-            x = self.images(images)
-            if x.shape[1] == 3:
-                grey = sum(w * x[:, i : i + 1] for i, w in enumerate(LUMA))
-            else:
-                grey = x.mean(dim=1, keepdim=True)
-            smooth = separable_blur(grey, self.presmooth_taps)
-            if threshold is None:
-                tau = otsu_threshold(smooth)
-            else:
-                if not (isinstance(threshold, float | int) and 0.0 <= threshold <= 1.0):
-                    raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
-                tau = torch.full((x.shape[0],), float(threshold), device=self.device)
-            labels = (smooth > tau.reshape(-1, 1, 1, 1)).to(torch.float32)
-            lam = self.config.lam(torch.zeros(x.shape[0], device=self.device))
-            family = Bernoulli()
-            mean = self.mean(labels)
-            out = self.conv_layer(family, lam)(labels, mean=mean, mean_out=mean, solver=self.solver(solver))
-            prob = family.sigma(out.eta)
-            return Prediction(prob, out.stats, lam, mask=prob > 0.5, threshold=tau)
+        x = self.images(images)
+        if x.shape[1] == 3:
+            grey = sum(w * x[:, i : i + 1] for i, w in enumerate(LUMA))
+        else:
+            grey = x.mean(dim=1, keepdim=True)
+        smooth = separable_blur(grey, self.presmooth_taps)
+        if threshold is None:
+            tau = otsu_threshold(smooth)
+        else:
+            if not (isinstance(threshold, float | int) and 0.0 <= threshold <= 1.0):
+                raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
+            tau = torch.full((x.shape[0],), float(threshold), device=self.device)
+        labels = (smooth > tau.reshape(-1, 1, 1, 1)).to(torch.float32)
+        lam = self.lam(torch.zeros(x.shape[0], device=self.device))
+        family = Bernoulli()
+        mean = self.mean(labels)
+        out = self.conv_layer(family, lam)(labels, mean=mean, mean_out=mean, solver=self.solver(solver))
+        prob = family.sigma(out.eta)
+        return Prediction(prob, out.stats, lam, mask=prob > 0.5, threshold=tau)

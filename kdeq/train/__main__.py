@@ -1,0 +1,5 @@
+import sys
+
+from kdeq.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,124 @@
+"""The trainer's settings: one typed, frozen object; unknown keys are an error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kdeq.checkpoint import ModelSpec
+from kdeq.implicit import Backward
+from kdeq.initialize import DEFAULT_SPECS
+from kdeq.train.data import MaskKind
+
+
+class TrainConfig(BaseModel):
+    """What ``kdeq train`` does.
+
+    Attributes:
+        task: ``denoise`` | ``inpaint`` | ``segment``; must match the spec's.
+        spec: a shipped default's name (``denoise-kglm``, …) or a ``ModelSpec`` JSON file: the
+            architecture, kernel, ``λ`` rule and solver the model starts from.
+        init: ``kglm`` (closed form from the spec's kernel) or ``random`` (same architecture).
+        train, val: image folders (PNG/JPEG/TIFF).
+        out: ``models/<name>/<version>``: the best checkpoint by validation, with ``report/`` and
+            ``train-state/`` (for ``resume``) inside.
+        epochs, samples_per_epoch, batch_size, patch_size: the budget (per rank, ``batch_size``).
+        lr, schedule, warmup_steps, clip_grad: Adam's step size, cosine or constant decay to 0 after a
+            linear warm-up, and the gradient-norm bound.
+        sigma, clip_noise: noise levels (0–255) drawn uniformly; clip noisy inputs to [0, 1].
+        mask_kinds, missing: inpainting masks and the missing fraction of ``pixels`` masks.
+        flip: largest label-flip fraction (segment).
+        train_tol, train_max_iter: forward-solver settings while training (``None``: the model's).
+        eval_tol, eval_max_iter: solver settings for validation (``None``: the model's).
+        backward: ``implicit`` or ``jacobian_free`` gradients.
+        min_converged: fraction of a batch's solves that must converge; below it (or with a non-finite
+            loss or gradient) the step is rolled back to the last good state and the step size halved.
+        max_rollbacks: stop with an error after this many rollbacks.
+        val_levels: validation noise levels (denoise), mask-kind indices (inpaint) or flip fractions.
+        val_limit, val_crop: at most this many validation images, centre-cropped to this side (0: whole).
+        channels: 1 (grey; colour files become luminance) or 3.
+        seed, device, workers: randomness, ``auto``/``cpu``/``cuda[:N]``, data-loading processes.
+        resume: continue from ``out/train-state`` (same settings; ``stop_after``, ``workers`` and
+            ``device`` may differ).
+        stop_after: end this process after that epoch (state saved), e.g. in time-limited jobs.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task: Literal["denoise", "inpaint", "segment"]
+    spec: str
+    init: Literal["kglm", "random"] = "kglm"
+    train: tuple[Path, ...] = Field(min_length=1)
+    val: tuple[Path, ...] = Field(min_length=1)
+    out: Path
+    epochs: int = Field(10, ge=1)
+    samples_per_epoch: int = Field(512, ge=1)
+    batch_size: int = Field(8, ge=1)
+    patch_size: int = Field(64, ge=8)
+    lr: float = Field(2e-3, gt=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    clip_grad: float = Field(1.0, gt=0)
+    sigma: tuple[float, float] = (0.0, 55.0)
+    clip_noise: bool = False
+    mask_kinds: tuple[MaskKind, ...] = ("pixels", "blocks", "strokes")
+    missing: tuple[float, float] = (0.2, 0.9)
+    flip: float = Field(0.1, ge=0, le=0.5)
+    train_tol: float | None = Field(None, gt=0)
+    train_max_iter: int | None = Field(None, ge=1)
+    eval_tol: float | None = Field(None, gt=0)
+    eval_max_iter: int | None = Field(None, ge=1)
+    backward: Backward = "implicit"
+    min_converged: float = Field(0.9, ge=0, le=1)
+    max_rollbacks: int = Field(20, ge=0)
+    val_levels: tuple[float, ...] = ()
+    val_limit: int = Field(8, ge=1)
+    val_crop: int = Field(0, ge=0)
+    channels: Literal[1, 3] = 1
+    seed: int = 0
+    device: str = "auto"
+    workers: int = Field(1, ge=0)
+    resume: bool = False
+    stop_after: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        for name, (lo, hi), top in (("sigma", self.sigma, 255.0), ("missing", self.missing, 1.0)):
+            if not 0 <= lo <= hi <= top:
+                raise ValueError(f"{name} must be a range lo ≤ hi within [0, {top:g}], got ({lo}, {hi})")
+        if not self.mask_kinds:
+            raise ValueError("mask_kinds needs at least one kind")
+        if self.model_spec().task != self.task:
+            raise ValueError(f"spec {self.spec!r} is a {self.model_spec().task} model, not {self.task}")
+        return self
+
+    def model_spec(self) -> ModelSpec:
+        """The ``ModelSpec`` named by ``spec``, renamed to ``out``'s ``<name>/<version>``."""
+        defaults = {s.name: s for s in DEFAULT_SPECS}
+        if self.spec in defaults:
+            base = defaults[self.spec]
+        else:
+            path = Path(self.spec)
+            if not path.is_file():
+                raise ValueError(
+                    f"spec {self.spec!r} is neither a default model {sorted(defaults)} nor a file"
+                )
+            base = ModelSpec.model_validate(json.loads(path.read_text()))
+        if not self.out.name.isdigit() or not self.out.name.isascii():
+            raise ValueError(f"out must be a <models>/<name>/<version> folder, got {self.out}")
+        data = base.model_dump()
+        data.update(name=self.out.parent.name, version=int(self.out.name))
+        return ModelSpec.model_validate(data)
+
+    def levels(self) -> tuple[float, ...]:
+        """``val_levels``, or the task's default: σ 15/25/50, every mask kind, flip 0.05."""
+        if self.val_levels:
+            return self.val_levels
+        if self.task == "denoise":
+            return (15.0, 25.0, 50.0)
+        if self.task == "inpaint":
+            return tuple(float(i) for i in range(len(self.mask_kinds)))
+        return (0.05,)

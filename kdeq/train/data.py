@@ -1,0 +1,233 @@
+"""Training data: image folders, random patches, and corruptions made on the fly.
+
+Every sample is a pure function of ``(seed, epoch, index)``: its generator is
+seeded from those three numbers, so a run is reproducible whatever the number
+of data workers or ranks, and ``--resume`` continues with exactly the samples
+an uninterrupted run would have drawn.
+
+Corruptions, per task (images in [0, 1]):
+
+- ``denoise``: ``y = x + σn``, ``n ~ N(0, I)``, ``σ ~ U[σ_min, σ_max]`` (0–255 scale), optionally clipped;
+- ``inpaint``: a mask of missing pixels, of one of the kinds ``pixels`` (each pixel missing with
+  probability ``p ~ U[p_min, p_max]``), ``blocks`` (random rectangles) or ``strokes`` (brush strokes:
+  thick random walks);
+- ``segment``: the target ``t = [x̄ > τ]`` (``x̄`` the patch's luminance, ``τ`` its Otsu threshold), the
+  input ``t`` with a fraction ``f ~ U[0, f_max]`` of pixels flipped plus additive noise ``σ``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from kdeq.imageio import read_image
+from kdeq.segment import LUMA, otsu_threshold
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
+MaskKind = Literal["pixels", "blocks", "strokes"]
+MASK_KINDS: tuple[MaskKind, ...] = ("pixels", "blocks", "strokes")
+
+
+def image_files(directories: Sequence[str | Path]) -> list[Path]:
+    """The PNG/JPEG/TIFF files directly in ``directories``, sorted; ``ValueError`` when there are none."""
+    files: list[Path] = []
+    for d in map(Path, directories):
+        if not d.is_dir():
+            raise ValueError(f"{d}: not a directory")
+        files += sorted(p for p in d.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise ValueError(f"no PNG, JPEG or TIFF images in {', '.join(map(str, directories))}")
+    return files
+
+
+def load_images(files: Sequence[Path], channels: int) -> list[torch.Tensor]:
+    """Each file as ``(channels, H, W)`` float32 in [0, 1]: colour to luminance for 1, grey repeated for 3."""
+    out = []
+    for path in files:
+        x = read_image(path)[0]
+        if channels == 1 and x.shape[0] == 3:
+            x = sum(w * x[i : i + 1] for i, w in enumerate(LUMA))
+        elif channels == 3 and x.shape[0] == 1:
+            x = x.expand(3, -1, -1)
+        out.append(x.contiguous())
+    return out
+
+
+def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A generator seeded from ``(seed, epoch, index)`` (a hash, so neighbouring triples are unrelated)."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def _uniform(gen: torch.Generator, lo: float, hi: float) -> float:
+    return lo + (hi - lo) * torch.rand((), generator=gen).item()
+
+
+def random_patch(image: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
+    """A ``size × size`` crop of ``image`` ``(c, H, W)`` at a random place, randomly flipped and rotated
+    by a multiple of 90° (the eight symmetries of the square); images smaller than ``size`` are mirrored."""
+    _, h, w = image.shape
+    if h < size or w < size:
+        image = F.pad(image[None], (0, max(0, size - w), 0, max(0, size - h)), mode="reflect")[0]
+        _, h, w = image.shape
+    i = int(torch.randint(h - size + 1, (), generator=gen))
+    j = int(torch.randint(w - size + 1, (), generator=gen))
+    patch = image[:, i : i + size, j : j + size]
+    k = int(torch.randint(8, (), generator=gen))
+    if k >= 4:
+        patch = patch.flip(-1)
+    return torch.rot90(patch, k % 4, dims=(-2, -1)).contiguous()
+
+
+def pixel_mask(shape: tuple[int, int], fraction: float, gen: torch.Generator) -> torch.Tensor:
+    """``(H, W)`` bool, each pixel missing with probability ``fraction``."""
+    return torch.rand(shape, generator=gen) < fraction
+
+
+def block_mask(shape: tuple[int, int], gen: torch.Generator, count: int = 3) -> torch.Tensor:
+    """``(H, W)`` bool: ``count`` rectangles with sides between 1/8 and 1/3 of the image's."""
+    h, w = shape
+    miss = torch.zeros(shape, dtype=torch.bool)
+    for _ in range(count):
+        bh = max(1, int(_uniform(gen, h / 8, h / 3)))
+        bw = max(1, int(_uniform(gen, w / 8, w / 3)))
+        i = int(torch.randint(h - bh + 1, (), generator=gen))
+        j = int(torch.randint(w - bw + 1, (), generator=gen))
+        miss[i : i + bh, j : j + bw] = True
+    return miss
+
+
+def stroke_mask(shape: tuple[int, int], gen: torch.Generator, strokes: int = 3) -> torch.Tensor:
+    """``(H, W)`` bool: ``strokes`` brush strokes, each a random walk of straight segments swept by a
+    disc of radius 1 to ``min(H, W)/16``."""
+    h, w = shape
+    ii = torch.arange(h, dtype=torch.float32)[:, None]
+    jj = torch.arange(w, dtype=torch.float32)[None, :]
+    miss = torch.zeros(shape, dtype=torch.bool)
+    for _ in range(strokes):
+        radius = _uniform(gen, 1.0, max(1.5, min(h, w) / 16))
+        y, x = _uniform(gen, 0, h - 1), _uniform(gen, 0, w - 1)
+        for _ in range(int(torch.randint(2, 6, (), generator=gen))):
+            angle = _uniform(gen, 0, 2 * torch.pi)
+            length = _uniform(gen, min(h, w) / 8, min(h, w) / 3)
+            y2 = min(max(y + length * torch.sin(torch.tensor(angle)).item(), 0.0), h - 1.0)
+            x2 = min(max(x + length * torch.cos(torch.tensor(angle)).item(), 0.0), w - 1.0)
+            # distance from every pixel to the segment (y, x)–(y2, x2)
+            dy, dx = y2 - y, x2 - x
+            t = (((ii - y) * dy + (jj - x) * dx) / max(dy * dy + dx * dx, 1e-9)).clamp(0, 1)
+            miss |= (ii - y - t * dy).square() + (jj - x - t * dx).square() <= radius * radius
+            y, x = y2, x2
+    return miss
+
+
+def make_mask(kind: MaskKind, shape: tuple[int, int], fraction: tuple[float, float], gen) -> torch.Tensor:
+    """A mask of ``kind``; ``fraction`` is the range of the missing probability for ``pixels``."""
+    if kind == "pixels":
+        return pixel_mask(shape, _uniform(gen, *fraction), gen)
+    if kind == "blocks":
+        return block_mask(shape, gen)
+    return stroke_mask(shape, gen)
+
+
+def binary_target(x: torch.Tensor) -> torch.Tensor:
+    """``[x̄ > τ]`` ``(1, H, W)`` float for ``x`` ``(c, H, W)``: luminance above its Otsu threshold."""
+    grey = sum(w * x[i : i + 1] for i, w in enumerate(LUMA)) if x.shape[0] == 3 else x.mean(0, keepdim=True)
+    tau = otsu_threshold(grey[None])
+    return (grey > tau.reshape(1, 1, 1)).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class Corruption:
+    """How the training and validation inputs are made.
+
+    Attributes:
+        task: ``denoise`` | ``inpaint`` | ``segment``.
+        sigma: noise-level range (0–255) for ``denoise`` and the additive noise of ``segment``.
+        clip: clip noisy images to [0, 1] (the paper's experiment does).
+        mask_kinds: the inpainting mask kinds to draw from (uniformly).
+        missing: range of the missing probability of ``pixels`` masks.
+        flip: largest fraction of flipped labels for ``segment``.
+    """
+
+    task: str
+    sigma: tuple[float, float] = (0.0, 55.0)
+    clip: bool = False
+    mask_kinds: tuple[MaskKind, ...] = MASK_KINDS
+    missing: tuple[float, float] = (0.2, 0.9)
+    flip: float = 0.1
+
+    def __call__(self, clean: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+        """The example for one clean patch ``(c, H, W)``: ``target`` and the model's inputs
+        (``noisy`` and ``sigma`` (0–255), ``missing`` ``(1, H, W)`` bool, or ``noisy`` for segment)."""
+        if self.task == "denoise":
+            s = _uniform(gen, *self.sigma)
+            noisy = clean + (s / 255.0) * torch.randn(clean.shape, generator=gen)
+            if self.clip:
+                noisy = noisy.clamp(0, 1)
+            return {"target": clean, "noisy": noisy, "sigma": torch.tensor(s)}
+        if self.task == "inpaint":
+            kind = self.mask_kinds[int(torch.randint(len(self.mask_kinds), (), generator=gen))]
+            miss = make_mask(kind, tuple(clean.shape[-2:]), self.missing, gen)
+            # a patch with nothing observed carries no information; keep one pixel
+            miss.view(-1)[int(torch.randint(miss.numel(), (), generator=gen))] = False
+            return {"target": clean, "image": clean, "missing": miss[None]}
+        target = binary_target(clean)
+        flipped = torch.rand(target.shape, generator=gen) < _uniform(gen, 0.0, self.flip)
+        s = _uniform(gen, *self.sigma)
+        noisy = torch.where(flipped, 1.0 - target, target) + (s / 255.0) * torch.randn(
+            target.shape, generator=gen
+        )
+        return {"target": target, "noisy": noisy}
+
+
+class PatchDataset(Dataset):
+    """``length`` random patches per epoch from ``images``, corrupted by ``corruption``;
+    sample ``i`` of epoch ``e`` depends only on ``(seed, e, i)`` (call ``set_epoch``)."""
+
+    def __init__(
+        self, images: Sequence[torch.Tensor], size: int, corruption: Corruption, length: int, seed: int
+    ) -> None:
+        self.images, self.size, self.corruption = list(images), size, corruption
+        self.length, self.seed, self.epoch = length, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        gen = sample_generator(self.seed, self.epoch, index)
+        image = self.images[int(torch.randint(len(self.images), (), generator=gen))]
+        return self.corruption(random_patch(image, self.size, gen), gen)
+
+
+def validation_set(
+    images: Sequence[torch.Tensor], corruption: Corruption, levels: Sequence[float], seed: int
+) -> list[dict[str, torch.Tensor]]:
+    """Fixed validation examples: every image at every level (a noise σ for denoise, a mask kind for
+    inpaint: ``levels`` index ``corruption.mask_kinds``; the largest flip fraction for segment), seeded by
+    position so every epoch (and every run with the same seed) sees the same inputs."""
+    out = []
+    for i, image in enumerate(images):
+        for j, level in enumerate(levels):
+            gen = sample_generator(seed, -1, i * len(levels) + j)
+            if corruption.task == "denoise":
+                case = Corruption("denoise", sigma=(level, level), clip=corruption.clip)
+            elif corruption.task == "inpaint":
+                kind = corruption.mask_kinds[int(level) % len(corruption.mask_kinds)]
+                mid = sum(corruption.missing) / 2
+                case = Corruption("inpaint", mask_kinds=(kind,), missing=(mid, mid))
+            else:
+                case = Corruption("segment", sigma=corruption.sigma, flip=level)
+            example = case(image, gen)
+            example["level"] = torch.tensor(float(level))
+            out.append(example)
+    return out

@@ -1,0 +1,438 @@
+"""The training loop: Adam on the constrained model, rollback on trouble, per-epoch checkpoints, resume, DDP.
+
+One step: the batch's forward solve (``train_tol``/``train_max_iter``), the loss
+(mean squared error for Gaussian tasks, binary cross-entropy for segmentation),
+implicit (or Jacobian-free) gradients, gradient clipping, an Adam step at the
+scheduled rate, and ``project_`` to keep the equilibrium kernel PSD.
+
+Before a step is taken its batch is checked: a non-finite loss or gradient, or
+fewer than ``min_converged`` of the forward solves converged, means the current
+parameters are bad, so they are replaced by the last parameters (and Adam
+state) whose batch passed, the step size factor is halved, and the rollback is
+counted. Under DistributedDataParallel the ranks agree on the verdict (an
+all-reduce) so they stay identical.
+
+After each epoch rank 0 validates (``predict`` with ``eval_*`` settings), writes
+the checkpoint to ``out`` when validation improved, the training state to
+``out/train-state`` and the report to ``out/report``. ``resume`` reloads the
+state and continues with the next epoch; since every sample is a function of
+``(seed, epoch, index)`` (``kdeq.train.data``), the result equals an
+uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from kdeq.checkpoint import Provenance, save_checkpoint
+from kdeq.predictor import SolverOverride, resolve_device
+from kdeq.train.config import TrainConfig
+from kdeq.train.data import (
+    Corruption,
+    PatchDataset,
+    image_files,
+    load_images,
+    validation_set,
+)
+from kdeq.train.model import TrainableModel, start_tensors
+
+STATE_DIR = "train-state"
+REPORT_DIR = "report"
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (too many rollbacks); the message says why."""
+
+
+@dataclass
+class History:
+    """What the run has done so far; ``epochs[0]`` is the validation of the start."""
+
+    epoch: int = 0
+    step: int = 0
+    lr_factor: float = 1.0
+    rollbacks: int = 0
+    best_epoch: int | None = None
+    best_metric: float = -math.inf
+    epochs: list[dict[str, float]] = field(default_factory=list)
+
+
+def psnr(out: torch.Tensor, target: torch.Tensor, region: torch.Tensor | None = None) -> torch.Tensor:
+    """PSNR (dB) per sample ``(B,)`` of ``out`` clipped to [0, 1], over ``region`` ``(B, 1, H, W)`` or all."""
+    err = (out.clamp(0, 1) - target).square()
+    if region is None:
+        mse = err.flatten(1).mean(1)
+    else:
+        w = region.expand_as(err).to(err.dtype)
+        mse = (err * w).flatten(1).sum(1) / w.flatten(1).sum(1).clamp(min=1)
+    return 10 * torch.log10(1.0 / mse.clamp(min=1e-12))
+
+
+def iou(prob: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Intersection over union per sample ``(B,)`` of ``prob > 1/2`` and ``target > 1/2``."""
+    a, b = (prob > 0.5).flatten(1), (target > 0.5).flatten(1)
+    union = (a | b).sum(1)
+    return torch.where(union > 0, (a & b).sum(1) / union.clamp(min=1), 1.0)
+
+
+def loss_fn(task: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error (denoise, inpaint) or binary cross-entropy of the probability (segment)."""
+    if task == "segment":
+        return F.binary_cross_entropy(out.clamp(1e-6, 1 - 1e-6), target)
+    return (out - target).square().mean()
+
+
+def quality(task: str, out: torch.Tensor, ex: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The task's score per sample: PSNR (denoise), PSNR on the missing pixels (inpaint), IoU (segment)."""
+    if task == "denoise":
+        return psnr(out, ex["target"])
+    if task == "inpaint":
+        return psnr(out, ex["target"], ex["missing"])
+    return iou(out, ex["target"])
+
+
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    """The scheduled step size: linear warm-up, then cosine (or constant) from ``lr`` to 0."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _fingerprint(cfg: TrainConfig) -> str:
+    """What must not change between a run and its resumption."""
+    data = cfg.model_dump(mode="json", exclude={"resume", "stop_after", "workers", "device"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place in a distributed run (``world = 1`` when not distributed)."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @classmethod
+    def from_env(cls) -> Rank:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return cls()
+        return cls(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _device(cfg: TrainConfig, rank: Rank) -> torch.device:
+    dev = resolve_device(cfg.device)
+    if dev.type == "cuda" and rank.world > 1:
+        dev = torch.device("cuda", rank.local)
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def _to(ex: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in ex.items()}
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)
+
+
+def _save_state(
+    directory: Path, model: TrainableModel, opt: torch.optim.Adam, hist: History, fp: str
+) -> None:
+    """Parameters and Adam's moments (safetensors) and the counters (JSON), replaced atomically."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {f"param.{k}": v.detach().cpu().contiguous() for k, v in model.named_parameters()}
+    names = [k for k, _ in model.named_parameters()]
+    for i, name in enumerate(names):
+        for key, value in opt.state_dict()["state"].get(i, {}).items():
+            tensors[f"adam.{name}.{key}"] = value.detach().cpu().contiguous()
+    tmp = directory / "state.safetensors.tmp"
+    save_file(tensors, str(tmp))
+    tmp.replace(directory / "state.safetensors")
+    meta = {"fingerprint": fp, "history": hist.__dict__, "param_order": names}
+    tmp = directory / "state.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    tmp.replace(directory / "state.json")
+
+
+def _load_state(directory: Path, model: TrainableModel, opt: torch.optim.Adam, fp: str) -> History:
+    meta_path = directory / "state.json"
+    if not meta_path.is_file():
+        raise ValueError(f"nothing to resume: {meta_path} does not exist")
+    meta = json.loads(meta_path.read_text())
+    if meta["fingerprint"] != fp:
+        raise ValueError(f"{directory}: these settings differ from the run being resumed (only epochs may)")
+    tensors = load_file(str(directory / "state.safetensors"))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[f"param.{name}"])
+    sd = opt.state_dict()
+    for i, name in enumerate(meta["param_order"]):
+        entry = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"adam.{name}.")}
+        if entry:
+            sd["state"][i] = {k: v.to(params[name].device) if k != "step" else v for k, v in entry.items()}
+    opt.load_state_dict(sd)
+    return History(**meta["history"])
+
+
+def evaluate(
+    model: TrainableModel, examples: list[dict[str, torch.Tensor]], cfg: TrainConfig, device: torch.device
+) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Validation metrics (mean loss, score, score per level, iterations, converged fraction) and the
+    outputs ``(c, H, W)`` of the examples, one image at a time."""
+    override = SolverOverride(tol=cfg.eval_tol, max_iter=cfg.eval_max_iter)
+    scores: dict[float, list[float]] = {}
+    losses, iters, conv, outputs = [], [], [], []
+    with torch.inference_mode():
+        for ex in examples:
+            batch = {k: v[None].to(device) for k, v in ex.items() if k != "level"}
+            pred = model.run(batch, override)
+            losses.append(loss_fn(cfg.task, pred.output, batch["target"]).item())
+            scores.setdefault(float(ex["level"]), []).append(quality(cfg.task, pred.output, batch).item())
+            iters.append(pred.stats.iterations.float().mean().item())
+            conv.append(pred.stats.converged.float().mean().item())
+            outputs.append(pred.output[0].cpu())
+    score = "iou" if cfg.task == "segment" else "psnr"
+    metrics = {
+        "val_loss": sum(losses) / len(losses),
+        f"val_{score}": sum(sum(v) for v in scores.values()) / sum(len(v) for v in scores.values()),
+        "val_iterations": sum(iters) / len(iters),
+        "val_converged": sum(conv) / len(conv),
+    }
+    for level, values in scores.items():
+        metrics[f"val_{score}@{level:g}"] = sum(values) / len(values)
+    return metrics, outputs
+
+
+def _centre_crop(x: torch.Tensor, size: int) -> torch.Tensor:
+    if size <= 0:
+        return x
+    h, w = x.shape[-2:]
+    i, j = max(0, (h - size) // 2), max(0, (w - size) // 2)
+    return x[..., i : i + size, j : j + size]
+
+
+def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> dict:
+    """Run ``cfg``; returns the report (also written to ``out/report/metrics.json`` by rank 0).
+
+    ``progress(iterable, total=…, desc=…)`` wraps the step loop (e.g. ``tqdm``) on rank 0; it must
+    offer ``set_postfix``. Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks train one model with
+    DistributedDataParallel (gloo on the CPU, nccl on CUDA), each on its share of every batch.
+    """
+    from kdeq.train.report import write_report
+
+    rank = Rank.from_env()
+    device = _device(cfg, rank)
+    if rank.world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    spec = cfg.model_spec()
+    fp = _fingerprint(cfg)
+    model = TrainableModel(spec, start_tensors(spec, cfg.init, cfg.seed), device, cfg.backward)
+    scalars = [p for n, p in model.named_parameters() if not n.startswith("raw.")]
+    tensors = [p for n, p in model.named_parameters() if n.startswith("raw.")]
+    groups = [{"params": tensors, "scale": 1.0}]
+    if scalars:  # log-scale factors move in log units, where the banks' absolute step would crawl
+        groups.append({"params": scalars, "scale": 10.0})
+    opt = torch.optim.Adam(groups, lr=cfg.lr)
+    state_dir, report_dir = cfg.out / STATE_DIR, cfg.out / REPORT_DIR
+    hist = _load_state(state_dir, model, opt, fp) if cfg.resume else History()
+    net = DistributedDataParallel(model) if rank.world > 1 else model
+
+    corruption = Corruption(cfg.task, cfg.sigma, cfg.clip_noise, cfg.mask_kinds, cfg.missing, cfg.flip)
+    train_files = image_files(cfg.train)
+    dataset = PatchDataset(
+        load_images(train_files, cfg.channels), cfg.patch_size, corruption, cfg.samples_per_epoch, cfg.seed
+    )
+    val_images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
+    val_set = validation_set(val_images[: cfg.val_limit], corruption, cfg.levels(), cfg.seed)
+    per_step = cfg.batch_size * rank.world
+    steps_per_epoch = math.ceil(cfg.samples_per_epoch / per_step)
+    total = steps_per_epoch * cfg.epochs
+    train_override = SolverOverride(tol=cfg.train_tol, max_iter=cfg.train_max_iter)
+    score = "iou" if cfg.task == "segment" else "psnr"
+    start_outputs: list[torch.Tensor] = []
+    started = time.perf_counter()
+
+    if rank.main and not hist.epochs:
+        metrics, start_outputs = evaluate(model, val_set, cfg, device)
+        hist.epochs.append({"epoch": 0, **metrics})
+    elif rank.main:
+        _, start_outputs = evaluate(
+            TrainableModel(spec, start_tensors(spec, cfg.init, cfg.seed), device), val_set, cfg, device
+        )
+
+    last = min(cfg.epochs, cfg.stop_after or cfg.epochs)
+    for epoch in range(hist.epoch + 1, last + 1):
+        # the state an epoch starts from was validated; it is the first "last good state", here and
+        # after a resume alike
+        good = _snapshot(model, opt)
+        dataset.set_epoch(epoch)
+        indices = list(range(rank.rank, steps_per_epoch * per_step, rank.world))
+        loader = DataLoader(
+            torch.utils.data.Subset(dataset, [i % cfg.samples_per_epoch for i in indices]),
+            batch_size=cfg.batch_size,
+            num_workers=cfg.workers,
+            worker_init_fn=_worker_init,
+            pin_memory=device.type == "cuda",
+        )
+        sums = {"loss": 0.0, "score": 0.0, "iterations": 0.0, "converged": 0.0, "n": 0}
+        sums["backward_nonconverged"] = 0
+        epoch_start = time.perf_counter()
+        steps = (
+            progress(loader, total=len(loader), desc=f"epoch {epoch}/{cfg.epochs}")
+            if (progress and rank.main)
+            else loader
+        )
+        for batch in steps:
+            batch = _to(batch, device)
+            base_lr = lr_at(cfg, hist.step, total) * hist.lr_factor
+            for g in opt.param_groups:
+                g["lr"] = base_lr * g["scale"]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", RuntimeWarning)
+                out, iterations, converged = net(batch, train_override)
+                loss = loss_fn(cfg.task, out, batch["target"])
+                opt.zero_grad(set_to_none=False)
+                loss.backward()
+            # the adjoint solve's shortfalls are counted, not printed at every step
+            sums["backward_nonconverged"] += sum("implicit backward" in str(w.message) for w in caught)
+            grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+            verdict = torch.tensor(
+                [
+                    float(not (bool(torch.isfinite(loss)) and grads_ok)),
+                    float(converged.float().mean() < cfg.min_converged),
+                ],
+                device=device,
+            )
+            if rank.world > 1:
+                dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+            hist.step += 1
+            if bool(verdict.any()):
+                hist.rollbacks += 1
+                hist.lr_factor *= 0.5
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(good[0][name])
+                opt.load_state_dict(good[1])
+                if hist.rollbacks > cfg.max_rollbacks:
+                    why = "a non-finite loss or gradient" if verdict[0] else "solves that stopped converging"
+                    raise TrainingError(
+                        f"{hist.rollbacks} rollbacks (the last for {why}) exceed max_rollbacks="
+                        f"{cfg.max_rollbacks}; lower lr or loosen the training solver"
+                    )
+                continue
+            good = _snapshot(model, opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+            opt.step()
+            model.project_()
+            n = out.shape[0]
+            sums["loss"] += loss.item() * n
+            sums["score"] += quality(cfg.task, out.detach(), batch).sum().item()
+            sums["iterations"] += iterations.float().sum().item()
+            sums["converged"] += converged.float().sum().item()
+            sums["n"] += n
+            if steps is not loader:
+                k = max(1, sums["n"])
+                steps.set_postfix(
+                    loss=f"{sums['loss'] / k:.3g}",
+                    **{score: f"{sums['score'] / k:.3g}"},
+                    it=f"{sums['iterations'] / k:.1f}",
+                    lr=f"{base_lr:.2g}",
+                    rollbacks=hist.rollbacks,
+                )
+        hist.epoch = epoch
+        if rank.main:
+            k = max(1, sums["n"])
+            metrics, outputs = evaluate(model, val_set, cfg, device)
+            entry = {
+                "epoch": epoch,
+                "train_loss": sums["loss"] / k,
+                f"train_{score}": sums["score"] / k,
+                "train_iterations": sums["iterations"] / k,
+                "train_converged": sums["converged"] / k,
+                "rollbacks": hist.rollbacks,
+                "backward_nonconverged_steps": sums["backward_nonconverged"],
+                "lr": lr_at(cfg, hist.step - 1, total) * hist.lr_factor,
+                "seconds": time.perf_counter() - epoch_start,
+                **metrics,
+            }
+            hist.epochs.append(entry)
+            if metrics[f"val_{score}"] > hist.best_metric:
+                hist.best_metric, hist.best_epoch = metrics[f"val_{score}"], epoch
+                _write_checkpoint(cfg, model, hist, train_files)
+            _save_state(state_dir, model, opt, hist, fp)
+            write_report(report_dir, cfg, hist, val_set, start_outputs, outputs, score)
+            if progress:
+                progress_note = {k: round(v, 4) for k, v in metrics.items() if "@" not in k}
+                print(f"epoch {epoch}: {progress_note}", flush=True)
+        if rank.world > 1:
+            dist.barrier()
+
+    report = {"history": hist.__dict__, "seconds": time.perf_counter() - started, "world_size": rank.world}
+    if rank.world > 1:
+        report["max_rank_difference"] = _rank_difference(model)
+    if rank.main:
+        (report_dir / "run.json").write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def _snapshot(model: TrainableModel, opt: torch.optim.Adam) -> tuple[dict[str, torch.Tensor], dict]:
+    """Copies of the parameters and of Adam's state, to roll back to."""
+    sd = opt.state_dict()
+    state = {i: {k: v.clone() for k, v in s.items()} for i, s in sd["state"].items()}
+    groups = [dict(g) for g in sd["param_groups"]]
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, {
+        "state": state,
+        "param_groups": groups,
+    }
+
+
+def _rank_difference(model: TrainableModel) -> float:
+    """Largest ``|θ_rank − θ_0|`` over the parameters and ranks (0 when DDP kept them identical)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu().to(torch.float64)
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return max(float((g - gathered[0]).abs().max()) for g in gathered)
+
+
+def _write_checkpoint(cfg: TrainConfig, model: TrainableModel, hist: History, files: list[Path]) -> None:
+    spec, tensors = model.export()
+    best = hist.epochs[-1]
+    start = hist.epochs[0]
+    metrics = {k: float(v) for k, v in best.items() if k.startswith("val_") and "@" not in k}
+    metrics.update(
+        {f"start_{k}": float(v) for k, v in start.items() if k.startswith("val_") and "@" not in k}
+    )
+    data = tuple(f"{d} ({sum(1 for f in files if f.parent == d)} images)" for d in cfg.train)
+    provenance = Provenance(
+        init=cfg.init,
+        data=data,
+        epochs=int(best["epoch"]),
+        metrics=metrics,
+        notes=f"kdeq train from {cfg.spec} ({cfg.init} init), best of {cfg.epochs} epochs by validation "
+        f"on {', '.join(map(str, cfg.val))}; seed {cfg.seed}",
+    )
+    save_checkpoint(cfg.out, spec, tensors, provenance)

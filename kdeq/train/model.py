@@ -1,0 +1,203 @@
+"""A checkpoint's model with its tensors as parameters, kept a kernel model while it trains.
+
+The forward pass is the task predictor's own ``forward`` (so training optimises
+exactly what the service runs), with the checkpoint's tensors replaced by
+constrained views of the parameters:
+
+- the equilibrium kernel (``w1`` of a conv model, ``spatial`` of a guided one) is
+  symmetric by construction, ``C = (P + P^⊤)/2`` with ``P^⊤[o, i, n] = P[i, o, −n]``, and is
+  made positive semi-definite after every step (``project_``) by adding ``δ·I`` at its
+  centre tap, which lifts every eigenvalue of its symbol ``Ĉ(ω)`` by ``δ``. So the fixed
+  point stays unique (DESIGN §2.1) and CG stays valid;
+- a conv model's other maps keep or relax the kGLM relations ``w2 = w1`` and ``v1 = v2``. With
+  the noise ``λ`` rule they are kept (``w1`` and ``v2`` are learned, two kernels): the layer's
+  ``W2 − W1 = (w2 − w1)/λ`` would otherwise multiply the input by ``1/λ``, which grows without
+  bound as the noise level falls, so no fixed offset is safe at every σ. With a fixed ``λ`` they
+  are relaxed as offsets, ``w2 = w1 + λΔ_w`` and ``v1 = v2 − λΔ_v`` with ``Δ = 0`` at the kGLM
+  start, so a step in ``Δ`` moves the output by ``O(step)``, as a step in ``w2`` itself would not;
+- the guide's smoothing taps (guided) are symmetric;
+- a guided model also learns ``log`` factors on ``λ`` and on the bandwidth ``h``
+  (its normalised kernel is blind to the scale of ``spatial``, so ``λ`` needs its own);
+  ``export`` folds them back into the ``λ`` rule and the kernel's ``bandwidth``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kdeq.checkpoint import (
+    FAMILY_OF_TASK,
+    FORMAT_VERSION,
+    Checkpoint,
+    ConvArchitecture,
+    ModelConfig,
+    ModelSpec,
+    NoiseLambda,
+)
+from kdeq.implicit import Backward
+from kdeq.initialize import init_tensors
+from kdeq.kernels import symbol_min_eigenvalue
+from kdeq.predictor import Prediction, SolverOverride
+from kdeq.repository import PREDICTORS
+from kdeq.spectral import circular_spectral_norm
+
+#: the eigenvalue floor ``project_`` leaves, relative to ``Σ|C|`` (above the checkpoint check's −1e-6)
+PSD_MARGIN = 1e-6
+
+
+def symmetrize(p: torch.Tensor) -> torch.Tensor:
+    """``(P + P^⊤)/2`` for a bank ``(c, c, k, k)`` (``P^⊤[o, i, n] = P[i, o, −n]``), or point-symmetric
+    taps ``(P + P(−·))/2`` for ``(k, k)`` or ``(k,)``."""
+    if p.dim() == 4:
+        return 0.5 * (p + p.flip(-1, -2).transpose(0, 1))
+    return 0.5 * (p + p.flip(tuple(range(p.dim()))))
+
+
+def psd_shift(bank: torch.Tensor) -> float:
+    """The ``δ ≥ 0`` that ``C + δ·I·e_centre`` needs so its symbol's smallest eigenvalue is at least
+    ``PSD_MARGIN·Σ|C|``, for a symmetric bank ``(c, c, k, k)`` or filter ``(k, k)``."""
+    b = bank.detach().cpu().to(torch.float64)
+    b = b if b.dim() == 4 else b[None, None]
+    floor = PSD_MARGIN * float(b.abs().sum())
+    return max(0.0, floor - symbol_min_eigenvalue(b))
+
+
+def _as_bank(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 4 else t[None, None]
+
+
+def random_tensors(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
+    """Random tensors for ``spec``'s architecture: i.i.d. normal, symmetrised where the model needs it,
+    each scaled to the spectral norm (circular, 64² grid) or ℓ2 norm of the kGLM initialisation's."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, ref in init_tensors(spec).items():
+        t = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+        if name in ("w1", "spatial", "smoothing"):
+            t = symmetrize(t)
+        if t.dim() >= 2:
+            scale = circular_spectral_norm(_as_bank(ref), (64, 64)) / circular_spectral_norm(
+                _as_bank(t), (64, 64)
+            )
+        else:
+            scale = float(ref.norm() / t.norm())
+        out[name] = (t * scale).to(torch.float32)
+    return out
+
+
+class TrainableModel(nn.Module):
+    """``spec``'s predictor with ``tensors`` as parameters; see the module docstring.
+
+    ``forward(inputs)`` takes a batch from ``kdeq.train.data`` and returns the
+    prediction's ``(output, iterations, converged)`` (shapes ``(B, c, H, W)``, ``(B,)``, ``(B,)``).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tensors: dict[str, torch.Tensor],
+        device: torch.device,
+        backward: Backward = "implicit",
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.guided = not isinstance(spec.architecture, ConvArchitecture)
+        self.tied = isinstance(spec.lam, NoiseLambda)
+        raw = {k: v.detach().to(torch.float64) for k, v in tensors.items()}
+        if not self.guided:
+            w2, v1 = raw.pop("w2"), raw.pop("v1")
+            if not self.tied:
+                lam = spec.lam.value
+                raw["dw"], raw["dv"] = (w2 - raw["w1"]) / lam, (raw["v2"] - v1) / lam
+        self.raw = nn.ParameterDict(
+            {k: nn.Parameter(v.to(device, torch.float32).clone()) for k, v in raw.items()}
+        )
+        self.log_lam = nn.Parameter(torch.zeros((), device=device)) if self.guided else None
+        self.log_bandwidth = nn.Parameter(torch.zeros((), device=device)) if self.guided else None
+        config = ModelConfig(
+            **spec.model_dump(),
+            format_version=FORMAT_VERSION,
+            family=FAMILY_OF_TASK[spec.task],
+            weights_sha256="0" * 64,  # in memory only; save_checkpoint computes the real one
+        )
+        frozen = {k: v.detach().cpu() for k, v in tensors.items()}
+        self.predictor = PREDICTORS[spec.task](Checkpoint(config, frozen, Path("<training>")), device)
+        self.predictor.backward = backward
+        self.project_()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors: constrained views of the parameters (differentiable)."""
+        if self.guided:
+            return {
+                "spatial": symmetrize(self.raw["spatial"]),
+                "smoothing": symmetrize(self.raw["smoothing"]),
+            }
+        w1, v2 = symmetrize(self.raw["w1"]), self.raw["v2"]
+        if self.tied:
+            return {"w1": w1, "w2": w1, "v1": v2, "v2": v2}
+        lam = self.spec.lam.value
+        return {"w1": w1, "w2": w1 + lam * self.raw["dw"], "v1": v2 - lam * self.raw["dv"], "v2": v2}
+
+    def _bind(self) -> None:
+        self.predictor.tensors = self.tensors()
+        if self.guided:
+            self.predictor.lam_scale = self.log_lam.exp()
+            self.predictor.bandwidth_scale = self.log_bandwidth.exp()
+
+    def forward(
+        self, inputs: dict[str, torch.Tensor], solver: SolverOverride | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        pred = self.run(inputs, solver)
+        return pred.output, pred.stats.iterations, pred.stats.converged
+
+    def run(self, inputs: dict[str, torch.Tensor], solver: SolverOverride | None = None) -> Prediction:
+        """The predictor's ``forward`` on one batch (``predict`` semantics when autograd is off)."""
+        self._bind()
+        p = self.predictor
+        if self.spec.task == "denoise":
+            return p.forward(inputs["noisy"], sigma=inputs["sigma"], solver=solver)
+        if self.spec.task == "inpaint":
+            return p.forward(inputs["image"], inputs["missing"], solver=solver)
+        return p.forward(inputs["noisy"], solver=solver)
+
+    @torch.no_grad()
+    def project_(self) -> None:
+        """Make the equilibrium kernel PSD again after a step (see the module docstring)."""
+        name = "spatial" if self.guided else "w1"
+        p = self.raw[name]
+        delta = psd_shift(symmetrize(p))
+        if delta > 0:
+            r = p.shape[-1] // 2
+            if p.dim() == 2:
+                p[r, r] += delta
+            else:
+                idx = torch.arange(p.shape[0], device=p.device)
+                p[idx, idx, r, r] += delta
+
+    def export(self) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+        """The spec (``λ`` and bandwidth factors folded in) and float32 CPU tensors to save."""
+        spec = self.spec
+        tensors = {k: v.detach().cpu().clone() for k, v in self.tensors().items()}
+        if not self.guided:
+            return spec, tensors
+        data = spec.model_dump()
+        scale = math.exp(self.log_lam.item())
+        if isinstance(spec.lam, NoiseLambda):
+            data["lam"]["signal_variance"] = spec.lam.signal_variance / scale
+        else:
+            data["lam"]["value"] = spec.lam.value * scale
+        data["architecture"]["kernel"]["bandwidth"] *= math.exp(self.log_bandwidth.item())
+        return ModelSpec.model_validate(data), tensors
+
+
+def start_tensors(spec: ModelSpec, init: str, seed: int) -> dict[str, torch.Tensor]:
+    """The starting tensors: the closed-form kGLM initialisation or ``random_tensors``."""
+    if init == "kglm":
+        return init_tensors(spec)
+    if init == "random":
+        return random_tensors(spec, seed)
+    raise ValueError(f"unknown init {init!r}; use kglm or random")

@@ -1,0 +1,119 @@
+"""The training report: ``metrics.json``, curves per epoch and a before/after image grid (PNG).
+
+Plots need matplotlib (``pip install 'kdeq[train]'``); it is imported here only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kdeq.train.config import TrainConfig
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _curve(path: Path, epochs: list[dict], keys: list[tuple[str, str]], ylabel: str, title: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    for key, label in keys:
+        xs = [e["epoch"] for e in epochs if key in e]
+        ys = [e[key] for e in epochs if key in e]
+        if xs:
+            ax.plot(xs, ys, marker="o", label=label)
+    ax.set_xlabel("epoch (0: the start)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _show(x: torch.Tensor):
+    """``(c, H, W)`` → an array for ``imshow``."""
+    a = x.detach().float().clamp(0, 1).cpu()
+    return a[0].numpy() if a.shape[0] == 1 else a.permute(1, 2, 0).numpy()
+
+
+def image_grid(
+    path: Path,
+    examples: list[dict[str, torch.Tensor]],
+    before: list[torch.Tensor],
+    after: list[torch.Tensor],
+    rows: int = 4,
+) -> None:
+    """Rows of (input, start's output, trained output, target) for the first ``rows`` examples."""
+    plt = _pyplot()
+    n = min(rows, len(examples), len(before), len(after))
+    if n == 0:
+        return
+    fig, axes = plt.subplots(n, 4, figsize=(10, 2.6 * n), dpi=100, squeeze=False)
+    for r in range(n):
+        ex = examples[r]
+        if "missing" in ex:
+            shown = torch.where(ex["missing"], torch.zeros_like(ex["image"]), ex["image"])
+        else:
+            shown = ex["noisy"]
+        for c, (img, label) in enumerate(
+            ((shown, "input"), (before[r], "start"), (after[r], "trained"), (ex["target"], "target"))
+        ):
+            ax = axes[r][c]
+            ax.imshow(_show(img), cmap="gray", vmin=0, vmax=1, interpolation="nearest")
+            ax.set_axis_off()
+            if r == 0:
+                ax.set_title(label)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(
+    directory: Path,
+    cfg: TrainConfig,
+    hist: object,
+    val_set: list[dict[str, torch.Tensor]],
+    before: list[torch.Tensor],
+    after: list[torch.Tensor],
+    score: str,
+) -> None:
+    """``metrics.json`` (settings and every epoch's metrics) and ``loss.png``, ``val_<score>.png``,
+    ``iterations.png``, ``grid.png`` in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    epochs = hist.epochs
+    doc = {
+        "config": cfg.model_dump(mode="json"),
+        "best_epoch": hist.best_epoch,
+        "rollbacks": hist.rollbacks,
+        "epochs": epochs,
+    }
+    (directory / "metrics.json").write_text(json.dumps(doc, indent=1) + "\n")
+    name = "PSNR (dB)" if score == "psnr" else "IoU"
+    _curve(
+        directory / "loss.png", epochs, [("train_loss", "train"), ("val_loss", "validation")], "loss", "Loss"
+    )
+    _curve(
+        directory / f"val_{score}.png",
+        epochs,
+        [(f"train_{score}", "train"), (f"val_{score}", "validation")],
+        name,
+        f"{name} per epoch",
+    )
+    _curve(
+        directory / "iterations.png",
+        epochs,
+        [("train_iterations", "train"), ("val_iterations", "validation")],
+        "mean solver iterations",
+        "Forward solver iterations",
+    )
+    image_grid(directory / "grid.png", val_set, before, after)

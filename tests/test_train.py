@@ -1,0 +1,450 @@
+"""The trainer (``kdeq.train``): constraints, data, the loop's rollback/resume/DDP, the checkpoint it writes,
+and the init-compare experiment. Every test makes its own images, so none needs ``../shared``."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from kdeq.checkpoint import load_checkpoint
+from kdeq.cli import main as kdeq_main
+from kdeq.initialize import DEFAULT_SPECS, init_tensors
+from kdeq.predictor import SolverOverride
+from kdeq.repository import load_predictor
+from kdeq.spectral import circular_spectral_norm
+from kdeq.train import TrainConfig, TrainingError, train
+from kdeq.train import init_compare as ic
+from kdeq.train.data import (
+    Corruption,
+    PatchDataset,
+    binary_target,
+    block_mask,
+    image_files,
+    load_images,
+    pixel_mask,
+    sample_generator,
+    stroke_mask,
+    validation_set,
+)
+from kdeq.train.loop import lr_at, psnr
+from kdeq.train.model import TrainableModel, psd_shift, random_tensors, start_tensors, symmetrize
+from tests.helpers import dense_operator
+
+ROOT = Path(__file__).resolve().parents[1]
+SPECS = {s.name: s for s in DEFAULT_SPECS}
+
+
+def circular_matrix(bank: torch.Tensor, n: int) -> torch.Tensor:
+    """The dense matrix of circular convolution (correlation) with ``bank`` ``(c, c, k, k)`` on ``n×n``."""
+    r = bank.shape[-1] // 2
+
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(F.pad(x, (r, r, r, r), mode="circular"), bank.to(x.dtype))
+
+    return dense_operator(op, (bank.shape[1], n, n))
+
+
+def smooth_images(directory: Path, count: int, size: int, seed: int) -> Path:
+    """Write ``count`` grey PNGs: blurred noise plus discs, so there is structure to learn."""
+    directory.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    ii, jj = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
+    for k in range(count):
+        base = F.avg_pool2d(torch.rand(1, 1, size + 8, size + 8, generator=gen), 9, stride=1)[0, 0]
+        img = 0.2 + 0.6 * (base - base.min()) / (base.max() - base.min())
+        for _ in range(3):
+            ci, cj, r = torch.randint(4, size - 4, (3,), generator=gen).tolist()
+            img = torch.where(
+                (ii - ci) ** 2 + (jj - cj) ** 2 < (r // 3 + 2) ** 2, torch.rand((), generator=gen), img
+            )
+        Image.fromarray((img.clamp(0, 1) * 255).round().to(torch.uint8).numpy()).save(
+            directory / f"{k:03d}.png"
+        )
+    return directory
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("images")
+    return smooth_images(root / "train", 6, 40, 0), smooth_images(root / "val", 2, 32, 1)
+
+
+def small_config(folders: tuple[Path, Path], out: Path, **changes: object) -> TrainConfig:
+    train_dir, val_dir = folders
+    values = dict(
+        task="denoise",
+        spec="denoise-stationary-kglm",
+        train=(train_dir,),
+        val=(val_dir,),
+        out=out,
+        epochs=2,
+        samples_per_epoch=16,
+        batch_size=4,
+        patch_size=24,
+        sigma=(10.0, 40.0),
+        val_levels=(25.0,),
+        device="cpu",
+        workers=0,
+    )
+    values.update(changes)
+    return TrainConfig.model_validate(values)
+
+
+# --- the constraints that keep a trained model a kernel model -------------------------------------
+
+
+def test_symmetrize_gives_a_symmetric_operator() -> None:
+    bank = torch.randn(2, 2, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    matrix = circular_matrix(symmetrize(bank), 8)
+    assert not torch.allclose(circular_matrix(bank, 8), circular_matrix(bank, 8).T)
+    torch.testing.assert_close(matrix, matrix.T, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_psd_shift_makes_the_operator_positive_semidefinite(channels: int) -> None:
+    gen = torch.Generator().manual_seed(channels)
+    bank = symmetrize(torch.randn(channels, channels, 5, 5, dtype=torch.float64, generator=gen))
+    assert torch.linalg.eigvalsh(circular_matrix(bank, 12)).min() < -0.1
+    delta = psd_shift(bank)
+    shifted = bank.clone()
+    shifted[range(channels), range(channels), 2, 2] += delta
+    # the shift lifts every eigenvalue by δ: the dense spectrum moves by exactly δ
+    before, after = (
+        torch.linalg.eigvalsh(circular_matrix(bank, 12)),
+        torch.linalg.eigvalsh(circular_matrix(shifted, 12)),
+    )
+    torch.testing.assert_close(after, before + delta, rtol=0, atol=1e-9)
+    assert after.min() >= 0
+    # only the margin's own growth with Σ|C| is left to add
+    assert psd_shift(shifted) < 1e-5 * float(shifted.abs().sum())
+
+
+def test_project_keeps_the_kernel_psd_after_a_large_step() -> None:
+    spec = SPECS["inpaint-kglm"]
+    model = TrainableModel(spec, init_tensors(spec), torch.device("cpu"))
+    with torch.no_grad():
+        model.raw["w1"].add_(0.5 * torch.randn_like(model.raw["w1"]))
+    model.project_()
+    w1 = model.tensors()["w1"].detach().double()
+    assert torch.linalg.eigvalsh(circular_matrix(w1, 16)).min() >= -1e-9
+    torch.testing.assert_close(circular_matrix(w1, 16), circular_matrix(w1, 16).T, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_the_trainable_start_is_the_shipped_model(name: str) -> None:
+    """At the kGLM start the trainer's forward pass is the service's predictor, and exporting
+    without training writes back the spec and tensors the start came from."""
+    spec = SPECS[name]
+    model = TrainableModel(spec, start_tensors(spec, "kglm", 0), torch.device("cpu"))
+    shipped = load_predictor(ROOT / "models" / name / "1")
+    x = torch.rand(2, 1, 20, 24, generator=torch.Generator().manual_seed(1))
+    inputs = {
+        "noisy": x,
+        "sigma": torch.tensor([15.0, 30.0]),
+        "image": x,
+        "missing": torch.rand(2, 1, 20, 24) < 0.4,
+    }
+    with torch.inference_mode():
+        ours = model.run(inputs).output
+    if spec.task == "denoise":
+        ref = shipped.predict(x, sigma=[15.0, 30.0]).output
+    elif spec.task == "inpaint":
+        ref = shipped.predict(x, inputs["missing"]).output
+    else:
+        ref = shipped.predict(x).output
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    exported_spec, tensors = model.export()
+    assert exported_spec == spec
+    for key, value in init_tensors(spec).items():
+        torch.testing.assert_close(tensors[key], value, rtol=0, atol=1e-7)
+
+
+def test_training_gradient_matches_finite_differences() -> None:
+    """The implicit gradient of the loss through the stationary denoiser's solve, against central
+    differences of the loss along a random direction in ``w1`` and ``v2``."""
+    spec = SPECS["denoise-stationary-kglm"]
+    model = TrainableModel(spec, init_tensors(spec), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    clean = torch.rand(2, 1, 14, 14, generator=gen)
+    batch = {
+        "noisy": clean + 0.1 * torch.randn(clean.shape, generator=gen),
+        "sigma": torch.tensor([25.0, 25.0]),
+    }
+    tight = SolverOverride(tol=1e-7, max_iter=2000)
+    dirs = {k: torch.randn(p.shape, generator=gen) for k, p in model.raw.items()}
+
+    def loss() -> torch.Tensor:
+        out, _, _ = model(batch, tight)
+        return (out - clean).square().mean()
+
+    value = loss()
+    value.backward()
+    analytic = sum((model.raw[k].grad * d).sum() for k, d in dirs.items()).item()
+    eps = 1e-3
+    with torch.no_grad():
+        for k, d in dirs.items():
+            model.raw[k].add_(eps * d)
+        up = loss().item()
+        for k, d in dirs.items():
+            model.raw[k].sub_(2 * eps * d)
+        down = loss().item()
+    numeric = (up - down) / (2 * eps)
+    assert analytic == pytest.approx(numeric, rel=2e-2)
+
+
+def test_random_init_matches_the_kglm_spectral_norms() -> None:
+    spec = SPECS["inpaint-kglm"]
+    rand, ref = random_tensors(spec, 0), init_tensors(spec)
+    for name in ("w1", "w2", "v1", "v2"):
+        assert not torch.allclose(rand[name], ref[name])
+        assert circular_spectral_norm(rand[name], (64, 64)) == pytest.approx(
+            circular_spectral_norm(ref[name], (64, 64)), rel=1e-5
+        )
+
+
+# --- data -------------------------------------------------------------------------------------------
+
+
+def test_samples_are_a_function_of_seed_epoch_and_index() -> None:
+    images = [torch.rand(1, 50, 60, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ds = PatchDataset(images, 16, Corruption("denoise"), 8, seed=5)
+    ds.set_epoch(2)
+    a = ds[3]
+    ds.set_epoch(1)
+    other_epoch = ds[3]
+    ds.set_epoch(2)
+    again = ds[3]
+    for key in a:
+        torch.testing.assert_close(a[key], again[key], rtol=0, atol=0)
+    assert not torch.equal(a["noisy"], other_epoch["noisy"])
+    assert a["noisy"].shape == (1, 16, 16)
+
+
+def test_denoise_corruption_has_the_drawn_noise_level() -> None:
+    clean = torch.full((1, 128, 128), 0.5)
+    ex = Corruption("denoise", sigma=(20.0, 30.0))(clean, sample_generator(0, 0, 0))
+    assert 20.0 <= float(ex["sigma"]) <= 30.0
+    assert float((ex["noisy"] - clean).std()) * 255 == pytest.approx(float(ex["sigma"]), rel=0.05)
+
+
+def test_masks_have_their_kind() -> None:
+    gen = sample_generator(1, 0, 0)
+    pixels = pixel_mask((200, 200), 0.3, gen)
+    assert float(pixels.float().mean()) == pytest.approx(0.3, abs=0.02)
+    blocks = block_mask((64, 64), gen, count=1)
+    rows, cols = blocks.any(1).nonzero().flatten(), blocks.any(0).nonzero().flatten()
+    # one rectangle: its bounding box is entirely missing
+    assert bool(blocks[rows.min() : rows.max() + 1, cols.min() : cols.max() + 1].all())
+    strokes = stroke_mask((64, 64), gen, strokes=1)
+    assert 0 < float(strokes.float().mean()) < 0.6
+    ex = Corruption("inpaint", mask_kinds=("pixels",), missing=(1.0, 1.0))(torch.rand(1, 8, 8), gen)
+    assert int((~ex["missing"]).sum()) == 1, "a patch keeps at least one observed pixel"
+
+
+def test_segmentation_examples_flip_labels_of_a_binary_target() -> None:
+    clean = torch.zeros(1, 32, 32)
+    clean[:, 8:24, 8:24] = 0.8
+    target = binary_target(clean)
+    assert set(target.unique().tolist()) == {0.0, 1.0}
+    assert float(target[:, 8:24, 8:24].mean()) == 1.0
+    ex = Corruption("segment", sigma=(0.0, 0.0), flip=0.5)(clean, sample_generator(0, 0, 1))
+    flipped = float((ex["noisy"] != ex["target"]).float().mean())
+    assert 0.0 <= flipped <= 0.5
+
+
+# --- the loop ---------------------------------------------------------------------------------------
+
+
+def test_training_writes_a_checkpoint_the_service_loads(folders, tmp_path: Path) -> None:
+    out = tmp_path / "models" / "den-ft" / "3"
+    cfg = small_config(folders, out, epochs=2, lr=5e-3)
+    report = train(cfg)
+    ckpt = load_checkpoint(out)
+    prov = ckpt.config.provenance
+    assert (ckpt.config.name, ckpt.config.version, prov.init) == ("den-ft", 3, "kglm")
+    assert prov.epochs == report["history"]["best_epoch"] >= 1
+    assert prov.data == (f"{folders[0]} (6 images)",)
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    assert [e["epoch"] for e in metrics["epochs"]] == [0, 1, 2]
+    best = metrics["epochs"][prov.epochs]
+    assert prov.metrics["val_psnr"] == pytest.approx(best["val_psnr"])
+    assert prov.metrics["start_val_psnr"] == pytest.approx(metrics["epochs"][0]["val_psnr"])
+    for name in ("loss.png", "val_psnr.png", "iterations.png", "grid.png"):
+        with Image.open(out / "report" / name) as im:
+            assert im.format == "PNG" and im.width > 100
+    # the repository and the predictor take it as it is; its output on the validation example is
+    # the score the trainer recorded for it
+    model = load_predictor(out)
+    val = validation_set(load_images(image_files(cfg.val), 1), Corruption("denoise"), (25.0,), cfg.seed)
+    scores = [
+        psnr(model.predict(v["noisy"][None], sigma=float(v["sigma"])).output, v["target"][None]).item()
+        for v in val
+    ]
+    assert sum(scores) / len(scores) == pytest.approx(best["val_psnr"], abs=1e-3)
+
+
+def test_guided_training_folds_its_scales_into_the_checkpoint(folders, tmp_path: Path) -> None:
+    out = tmp_path / "g" / "1"
+    cfg = small_config(
+        folders, out, spec="denoise-kglm", epochs=1, samples_per_epoch=8, lr=0.05, patch_size=20
+    )
+    train(cfg)
+    config = load_checkpoint(out).config
+    base = SPECS["denoise-kglm"]
+    assert config.lam.signal_variance != base.lam.signal_variance
+    assert config.architecture.kernel.bandwidth != base.architecture.kernel.bandwidth
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    val = validation_set(load_images(image_files(cfg.val), 1), Corruption("denoise"), (25.0,), cfg.seed)
+    model = load_predictor(out)
+    scores = [psnr(model.predict(v["noisy"][None], sigma=25.0).output, v["target"][None]).item() for v in val]
+    assert sum(scores) / len(scores) == pytest.approx(metrics["epochs"][1]["val_psnr"], abs=1e-3)
+
+
+def test_resume_continues_exactly(folders, tmp_path: Path) -> None:
+    full, split = tmp_path / "full" / "1", tmp_path / "split" / "1"
+    train(small_config(folders, full, epochs=3))
+    train(small_config(folders, split, epochs=3, stop_after=1))
+    assert json.loads((split / "train-state" / "state.json").read_text())["history"]["epoch"] == 1
+    train(small_config(folders, split, epochs=3, resume=True))
+    a = (full / "train-state" / "state.safetensors").read_bytes()
+    b = (split / "train-state" / "state.safetensors").read_bytes()
+    assert a == b
+    with pytest.raises(ValueError, match="differ"):
+        train(small_config(folders, split, epochs=3, lr=1e-2, resume=True))
+
+
+def test_a_solver_that_stops_converging_is_rolled_back(folders, tmp_path: Path) -> None:
+    """With one solver iteration allowed no batch converges: every step is rolled back, the step
+    size halves each time, the weights stay at the start, and past the limit training stops."""
+    out = tmp_path / "rb" / "1"
+    cfg = small_config(folders, out, epochs=1, train_max_iter=1, min_converged=1.0, max_rollbacks=100)
+    train(cfg)
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    steps = 16 // 4
+    assert metrics["epochs"][1]["rollbacks"] == steps
+    assert metrics["epochs"][1]["lr"] == pytest.approx(lr_at(cfg, steps - 1, steps) * 0.5**steps)
+    start = init_tensors(SPECS["denoise-stationary-kglm"])
+    for name, t in load_checkpoint(out).tensors.items():
+        torch.testing.assert_close(t, start[name], rtol=0, atol=1e-7)
+    with pytest.raises(TrainingError, match="rollbacks"):
+        train(
+            small_config(
+                folders,
+                tmp_path / "rb2" / "1",
+                epochs=1,
+                train_max_iter=1,
+                min_converged=1.0,
+                max_rollbacks=2,
+            )
+        )
+
+
+def test_cli_refuses_bad_settings(folders, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    train_dir, val_dir = folders
+    base = ["train", "--train", str(train_dir), "--val", str(val_dir), "--quiet"]
+    assert (
+        kdeq_main([*base, "--task", "inpaint", "--spec", "denoise-kglm", "--out", str(tmp_path / "a" / "1")])
+        == 2
+    )
+    assert "denoise model, not inpaint" in capsys.readouterr().err
+    assert kdeq_main([*base, "--task", "denoise", "--spec", "nope", "--out", str(tmp_path / "a" / "1")]) == 2
+    assert "neither a default model" in capsys.readouterr().err
+    assert kdeq_main([*base, "--task", "denoise", "--out", str(tmp_path / "a" / "latest")]) == 2
+    assert "<name>/<version>" in capsys.readouterr().err
+    assert kdeq_main([*base, "--task", "denoise", "--out", str(tmp_path / "b" / "1"), "--resume"]) == 2
+    assert "nothing to resume" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (
+        kdeq_main(
+            [
+                "train",
+                "--task",
+                "denoise",
+                "--train",
+                str(empty),
+                "--val",
+                str(val_dir),
+                "--out",
+                str(tmp_path / "c" / "1"),
+            ]
+        )
+        == 2
+    )
+    assert "no PNG" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_cpu_ranks_train_identical_weights(folders, tmp_path: Path) -> None:
+    """``torchrun`` with two gloo processes: DistributedDataParallel keeps the ranks' parameters equal."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun, "torchrun comes with torch"
+    train_dir, val_dir = folders
+    out = tmp_path / "ddp" / "1"
+    cmd = [
+        torchrun, "--nproc_per_node", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+        "-m", "kdeq.train", "--task", "inpaint", "--train", str(train_dir), "--val", str(val_dir),
+        "--out", str(out), "--epochs", "1", "--samples-per-epoch", "16", "--batch-size", "2",
+        "--patch-size", "24", "--device", "cpu", "--workers", "0", "--quiet",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((out / "report" / "run.json").read_text())
+    assert run["world_size"] == 2
+    assert run["max_rank_difference"] == 0.0
+    assert run["history"]["step"] == 16 // (2 * 2)
+    load_checkpoint(out)
+
+
+# --- the init-compare experiment --------------------------------------------------------------------
+
+
+def test_kglm_arm_layers_have_spectral_norm_c() -> None:
+    """``λ = ‖K‖/C`` makes each layer's norm ``C``, checked on the dense operator's singular values."""
+    setup = ic.Setup(train_dir=Path("."), test_dir=Path("."), patch=10, radius=2)
+    model = ic.kglm_model(setup, 0.7, seed=4, solver=ic.SolverConfig())
+    for layer in (model.w1, model.w2, model.v1, model.v2):
+        top = torch.linalg.svdvals(circular_matrix(layer.weight.detach().double(), 10)).max().item()
+        assert top == pytest.approx(0.7, rel=1e-5)
+    assert ic.spectral_norms(model, 10) == pytest.approx([0.7] * 4, rel=1e-6)
+
+
+def test_init_compare_runs_and_summarises(folders, tmp_path: Path) -> None:
+    train_dir, val_dir = folders
+    setup = ic.Setup(
+        train_dir=train_dir,
+        test_dir=val_dir,
+        scales=2,
+        seeds=2,
+        epochs=1,
+        train_patches=16,
+        test_patches=8,
+        patch=16,
+    )
+    result = ic.run(setup, log=lambda *_: None)
+    assert len(result["runs"]) == 2 * 2 * 2
+    rows = result["table"]
+    assert {(r["arm"], r["epoch"]) for r in rows} == {(a, e) for a in ("kglm", "random") for e in (0, 1)}
+    for r in rows:
+        assert r["runs"] == 4 and 0 <= r["failed"] <= 4
+    # at epoch 0 the kGLM arm is the closed-form kernel smoother: its error is a real denoiser's,
+    # below the noisy input's (σ = 0.2, clipped)
+    best0 = rows[0]
+    assert best0["arm"] == "kglm" and best0["mean_log_mse"] < ic.math.log(0.2**2)
+    ic.scatter(tmp_path / "s.png", result)
+    assert "| 0 |" in ic.table_markdown(rows)
