@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tol", type=float)
     p.add_argument("--eval-max-iter", type=int)
     p.add_argument("--backward", choices=("implicit", "jacobian_free"), default="implicit")
-    p.add_argument("--min-converged", type=float, default=0.9)
+    p.add_argument("--min-converged", type=float, default=0.5)
     p.add_argument("--max-rollbacks", type=int, default=20)
     p.add_argument("--val-levels", type=_floats, default=(), metavar="A,B,…")
     p.add_argument("--val-limit", type=int, default=8)

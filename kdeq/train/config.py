@@ -72,7 +72,7 @@ class TrainConfig(BaseModel):
     eval_tol: float | None = Field(None, gt=0)
     eval_max_iter: int | None = Field(None, ge=1)
     backward: Backward = "implicit"
-    min_converged: float = Field(0.9, ge=0, le=1)
+    min_converged: float = Field(0.5, ge=0, le=1)
     max_rollbacks: int = Field(20, ge=0)
     val_levels: tuple[float, ...] = ()
     val_limit: int = Field(8, ge=1)

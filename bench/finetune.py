@@ -1,0 +1,95 @@
+"""Does fine-tuning pay off? Checkpoints side by side on the quality benchmark's protocol.
+
+    .venv/bin/python bench/finetune.py --task denoise START TUNED [RANDOM …] [--bsd68]
+    .venv/bin/python bench/finetune.py --task inpaint START TUNED [RANDOM …]
+
+Each argument is a checkpoint folder (``models/<name>/<version>``). Denoise: Set12 at
+σ = 15/25/50 (and BSD68 at σ = 25 with ``--bsd68``), σ given to the model; inpaint: Set12 with
+50 % and 80 % random pixels missing, PSNR on the missing pixels. Noise and masks are
+``bench/baselines.py``'s (seed = image index), so the figures line up with ``bench/quality.py``'s.
+Prints a Markdown table: mean PSNR (dB), mean solver iterations, converged count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines as B
+
+from kdeq.repository import load_predictor
+
+
+def to_tensor(img: np.ndarray) -> torch.Tensor:
+    t = torch.from_numpy(img.astype(np.float32))
+    return (t[None] if t.dim() == 2 else t.permute(2, 0, 1))[None]
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    a = t[0].double().numpy()
+    return a[0] if a.shape[0] == 1 else a.transpose(1, 2, 0)
+
+
+def cases(task: str, bsd68: bool) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, object]]]]:
+    """``(label, [(clean, input, extra)])``: extra is σ (denoise) or the missing mask (inpaint)."""
+    out = []
+    if task == "denoise":
+        sets = [("Set12", s) for s in (15, 25, 50)] + ([("BSD68", 25)] if bsd68 else [])
+        for name, sigma in sets:
+            images = B.load_set(name)
+            out.append(
+                (
+                    f"{name} σ={sigma}",
+                    [(c, B.add_noise(c, sigma, i), sigma) for i, (_, c) in enumerate(images)],
+                )
+            )
+    else:
+        images = B.load_set("Set12")
+        for frac in (0.5, 0.8):
+            masks = [B.random_mask(c.shape, frac, i) for i, (_, c) in enumerate(images)]
+            out.append(
+                (f"Set12 {frac:.0%} random", [(c, c, m) for (_, c), m in zip(images, masks, strict=True)])
+            )
+    return out
+
+
+def score(task: str, model, clean: np.ndarray, y: np.ndarray, extra) -> tuple[float, int, bool]:
+    if task == "denoise":
+        pred = model.predict(to_tensor(y), sigma=float(extra))
+        value = B.psnr(to_numpy(pred.output), clean)
+    else:
+        pred = model.predict(to_tensor(y), torch.from_numpy(extra)[None, None])
+        value = B.psnr(to_numpy(pred.output), clean, extra)
+    return value, int(pred.stats.iterations.item()), bool(pred.stats.converged.item())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", choices=("denoise", "inpaint"), required=True)
+    parser.add_argument("checkpoints", nargs="+", type=Path)
+    parser.add_argument("--bsd68", action="store_true")
+    args = parser.parse_args()
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; protocol of bench/quality.py (seed = image index)"
+    )
+    models = [(str(p), load_predictor(p)) for p in args.checkpoints]
+    print("| data | " + " | ".join(f"`{name}`" for name, _ in models) + " |")
+    print("|---|" + "---|" * len(models))
+    for label, items in cases(args.task, args.bsd68):
+        cells = []
+        for _, model in models:
+            results = [score(args.task, model, c, y, e) for c, y, e in items]
+            psnrs, iters, conv = zip(*results, strict=True)
+            cells.append(f"{np.mean(psnrs):.2f} dB ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)})")
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
