@@ -61,9 +61,10 @@ def test_health_ready_and_models(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "alive"}
     assert client.get("/readyz").status_code == 200
     models = {m["id"]: m for m in client.get("/models").json()}
-    assert set(models) == {"denoise-kglm:1", "denoise-stationary-kglm:1", "inpaint-kglm:1", "segment-kglm:1"}
+    # the latest version of each model: the stationary denoiser's is the fine-tuned 2
+    assert set(models) == {"denoise-kglm:1", "denoise-stationary-kglm:2", "inpaint-kglm:1", "segment-kglm:1"}
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
-    assert models["denoise-kglm:1"]["default"] and not models["denoise-stationary-kglm:1"]["default"]
+    assert models["denoise-kglm:1"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
 
 
 def test_metrics_is_a_plain_route_in_the_text_format(client: TestClient) -> None:
@@ -227,9 +228,12 @@ def test_segment_mask_and_probability(client: TestClient) -> None:
 
 def test_named_model_and_version(client: TestClient) -> None:
     png, _ = grey_png()
-    for name in ("denoise-stationary-kglm", "denoise-stationary-kglm:1"):
+    for name in ("denoise-stationary-kglm", "denoise-stationary-kglm:2"):
         r = client.post("/denoise", files={"image": png}, data={"model": name, "sigma": "20"})
-        assert r.status_code == 200 and r.headers["x-kdeq-model"] == "denoise-stationary-kglm:1"
+        assert r.status_code == 200 and r.headers["x-kdeq-model"] == "denoise-stationary-kglm:2"
+    # version 1 is in the repository but not loaded (only the latest is, unless KDEQ_MODELS names it)
+    r = client.post("/denoise", files={"image": png}, data={"model": "denoise-stationary-kglm:1"})
+    assert r.status_code == 404 and "denoise-stationary-kglm:2" in r.json()["detail"]
 
 
 def test_metrics_move_with_requests(client: TestClient) -> None:

@@ -127,15 +127,40 @@ def test_psd_shift_makes_the_operator_positive_semidefinite(channels: int) -> No
     assert psd_shift(shifted) < 1e-5 * float(shifted.abs().sum())
 
 
-def test_project_keeps_the_kernel_psd_after_a_large_step() -> None:
+def test_project_shortens_a_step_that_leaves_the_psd_set() -> None:
     spec = SPECS["inpaint-kglm"]
     model = TrainableModel(spec, init_tensors(spec), torch.device("cpu"))
+    start = model.raw["w1"].detach().clone()
+    step = 0.5 * torch.randn(start.shape, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model.raw["w1"].add_(0.5 * torch.randn_like(model.raw["w1"]))
+        model.raw["w1"].add_(step)
+    assert torch.linalg.eigvalsh(circular_matrix(symmetrize(start + step).double(), 16)).min() < -0.1
     model.project_()
     w1 = model.tensors()["w1"].detach().double()
-    assert torch.linalg.eigvalsh(circular_matrix(w1, 16)).min() >= -1e-9
-    torch.testing.assert_close(circular_matrix(w1, 16), circular_matrix(w1, 16).T, rtol=0, atol=1e-12)
+    dense = circular_matrix(w1, 16)
+    assert torch.linalg.eigvalsh(dense).min() >= -1e-9
+    torch.testing.assert_close(dense, dense.T, rtol=0, atol=1e-12)
+    # the kernel moved along the step, part of the way: start + t·step with 0 < t < 1
+    moved = model.raw["w1"].detach() - start
+    t = float((moved * step).sum() / step.square().sum())
+    assert 0 < t < 1 and model.truncated_steps == 1
+    torch.testing.assert_close(moved, t * step, rtol=0, atol=1e-6)
+    # a step that stays PSD is kept whole
+    before = model.raw["w1"].detach().clone()
+    with torch.no_grad():
+        model.raw["w1"][0, 0, 4, 4] += 0.1
+    model.project_()
+    assert model.truncated_steps == 1 and float(
+        model.raw["w1"][0, 0, 4, 4] - before[0, 0, 4, 4]
+    ) == pytest.approx(0.1)
+
+
+def test_a_random_start_is_lifted_to_psd() -> None:
+    spec = SPECS["inpaint-kglm"]
+    raw = random_tensors(spec, 1)
+    assert torch.linalg.eigvalsh(circular_matrix(raw["w1"].double(), 16)).min() < 0
+    model = TrainableModel(spec, raw, torch.device("cpu"))
+    assert torch.linalg.eigvalsh(circular_matrix(model.tensors()["w1"].detach().double(), 16)).min() >= -1e-9
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -291,6 +316,17 @@ def test_training_writes_a_checkpoint_the_service_loads(folders, tmp_path: Path)
     assert sum(scores) / len(scores) == pytest.approx(best["val_psnr"], abs=1e-3)
 
 
+@pytest.mark.parametrize(("task", "score"), [("inpaint", "val_psnr"), ("segment", "val_iou")])
+def test_inpainting_and_segmentation_train(folders, tmp_path: Path, task: str, score: str) -> None:
+    out = tmp_path / task / "1"
+    train(small_config(folders, out, task=task, spec=f"{task}-kglm", epochs=1, val_levels=()))
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    assert set(metrics["epochs"][1]) >= {score, "train_loss", "train_iterations", "rollbacks"}
+    if task == "inpaint":  # one validation score per mask kind
+        assert {f"val_psnr@{k}" for k in (0, 1, 2)} <= set(metrics["epochs"][1])
+    assert load_predictor(out).task == task
+
+
 def test_guided_training_folds_its_scales_into_the_checkpoint(folders, tmp_path: Path) -> None:
     out = tmp_path / "g" / "1"
     cfg = small_config(
@@ -409,6 +445,42 @@ def test_two_cpu_ranks_train_identical_weights(folders, tmp_path: Path) -> None:
     assert run["max_rank_difference"] == 0.0
     assert run["history"]["step"] == 16 // (2 * 2)
     load_checkpoint(out)
+
+
+# --- the committed fine-tuned checkpoints ------------------------------------------------------------
+
+SET12 = ROOT.parent / "shared" / "data" / "Set12"
+TUNED = [p.parent for p in sorted((ROOT / "models").glob("*/*/config.json")) if p.parent.name != "1"]
+
+
+@pytest.mark.parametrize("folder", TUNED, ids=lambda p: f"{p.parent.name}:{p.name}")
+def test_committed_fine_tuned_checkpoints_carry_their_report(folder: Path) -> None:
+    config = load_checkpoint(folder).config
+    prov = config.provenance
+    assert prov.init == "kglm" and prov.epochs >= 1
+    assert prov.metrics["val_psnr"] > prov.metrics["start_val_psnr"]
+    metrics = json.loads((folder / "report" / "metrics.json").read_text())
+    assert metrics["best_epoch"] == prov.epochs
+    assert metrics["epochs"][prov.epochs]["val_psnr"] == pytest.approx(prov.metrics["val_psnr"])
+    for name in ("loss.png", "val_psnr.png", "iterations.png", "grid.png"):
+        assert (folder / "report" / name).stat().st_size > 1000
+    assert not (folder / "train-state").exists()
+
+
+@pytest.mark.skipif(not SET12.is_dir(), reason="needs ../shared/data/Set12")
+def test_the_fine_tuned_stationary_denoiser_beats_its_start_on_set12() -> None:
+    """On images it never saw in training or validation (Set12, σ = 25, seeded noise)."""
+    start = load_predictor(ROOT / "models" / "denoise-stationary-kglm" / "1")
+    tuned = load_predictor(ROOT / "models" / "denoise-stationary-kglm" / "2")
+    gen = torch.Generator().manual_seed(0)
+    gains = []
+    for path in sorted(SET12.glob("*.png"))[:4]:
+        clean = load_images([path], 1)[0][None]
+        noisy = clean + 25 / 255 * torch.randn(clean.shape, generator=gen)
+        a = psnr(start.predict(noisy, sigma=25.0).output, clean).item()
+        b = psnr(tuned.predict(noisy, sigma=25.0).output, clean).item()
+        gains.append(b - a)
+    assert min(gains) > 0.3, gains
 
 
 # --- the init-compare experiment --------------------------------------------------------------------

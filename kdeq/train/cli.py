@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples-per-epoch", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--patch-size", type=int, default=64)
+    p.add_argument("--loss", choices=("log_mse", "mse"), default="log_mse", help="denoise/inpaint loss")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     p.add_argument("--warmup-steps", type=int, default=0)
@@ -79,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             from tqdm import tqdm
 
-            def progress(it, **kw):
-                return tqdm(it, dynamic_ncols=True, **kw)
+            def progress(total: int) -> tqdm:
+                return tqdm(total=total, dynamic_ncols=True, unit="step")
 
-        train(cfg, progress)
+        report = train(cfg, progress)
     except (ValidationError, ValueError, CheckpointError, OSError) as err:
         print(f"kdeq train: error: {err}", file=sys.stderr)
         return 2
@@ -92,6 +93,14 @@ def run(args: argparse.Namespace) -> int:
     except TrainingError as err:
         print(f"kdeq train: failed: {err}", file=sys.stderr)
         return 4
+    hist = report["history"]
+    if hist["best_epoch"] is not None:
+        score = "val_iou" if cfg.task == "segment" else "val_psnr"
+        start, best = hist["epochs"][0][score], hist["epochs"][hist["best_epoch"]][score]
+        print(
+            f"wrote {cfg.out}: epoch {hist['best_epoch']} of {cfg.epochs}, {score} {start:.4g} at the "
+            f"start → {best:.4g}; {hist['rollbacks']} rollbacks; report in {cfg.out / 'report'}"
+        )
     return 0
 
 

@@ -26,6 +26,8 @@ class TrainConfig(BaseModel):
         out: ``models/<name>/<version>``: the best checkpoint by validation, with ``report/`` and
             ``train-state/`` (for ``resume``) inside.
         epochs, samples_per_epoch, batch_size, patch_size: the budget (per rank, ``batch_size``).
+        loss: ``log_mse`` (mean over samples of ``ln MSE``, i.e. of −PSNR: high-noise samples do not
+            drown low-noise ones) or ``mse``, for denoise and inpaint; segment uses cross-entropy.
         lr, schedule, warmup_steps, clip_grad: Adam's step size, cosine or constant decay to 0 after a
             linear warm-up, and the gradient-norm bound.
         sigma, clip_noise: noise levels (0–255) drawn uniformly; clip noisy inputs to [0, 1].
@@ -58,6 +60,7 @@ class TrainConfig(BaseModel):
     samples_per_epoch: int = Field(512, ge=1)
     batch_size: int = Field(8, ge=1)
     patch_size: int = Field(64, ge=8)
+    loss: Literal["log_mse", "mse"] = "log_mse"
     lr: float = Field(2e-3, gt=0)
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)

@@ -1,9 +1,10 @@
 """The training loop: Adam on the constrained model, rollback on trouble, per-epoch checkpoints, resume, DDP.
 
 One step: the batch's forward solve (``train_tol``/``train_max_iter``), the loss
-(mean squared error for Gaussian tasks, binary cross-entropy for segmentation),
+(``loss_fn``: per-sample log MSE or MSE for Gaussian tasks, cross-entropy for segmentation),
 implicit (or Jacobian-free) gradients, gradient clipping, an Adam step at the
-scheduled rate, and ``project_`` to keep the equilibrium kernel PSD.
+scheduled rate, and ``project_``, which shortens a step that would make the equilibrium kernel
+indefinite.
 
 Before a step is taken its batch is checked: a non-finite loss or gradient, or
 fewer than ``min_converged`` of the forward solves converged, means the current
@@ -50,6 +51,7 @@ from kdeq.train.data import (
     validation_set,
 )
 from kdeq.train.model import TrainableModel, start_tensors
+from kdeq.train.report import write_report
 
 STATE_DIR = "train-state"
 REPORT_DIR = "report"
@@ -90,11 +92,16 @@ def iou(prob: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.where(union > 0, (a & b).sum(1) / union.clamp(min=1), 1.0)
 
 
-def loss_fn(task: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error (denoise, inpaint) or binary cross-entropy of the probability (segment)."""
+def loss_fn(task: str, kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of the probability (segment); for the Gaussian tasks the mean squared
+    error (``mse``) or the mean over samples of ``ln MSE_b`` (``log_mse``: −PSNR up to a factor, so
+    every sample counts alike, whatever its noise level or missing fraction)."""
     if task == "segment":
         return F.binary_cross_entropy(out.clamp(1e-6, 1 - 1e-6), target)
-    return (out - target).square().mean()
+    err = (out - target).square()
+    if kind == "mse":
+        return err.mean()
+    return torch.log(err.flatten(1).mean(1) + 1e-10).mean()
 
 
 def quality(task: str, out: torch.Tensor, ex: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -210,7 +217,7 @@ def evaluate(
         for ex in examples:
             batch = {k: v[None].to(device) for k, v in ex.items() if k != "level"}
             pred = model.run(batch, override)
-            losses.append(loss_fn(cfg.task, pred.output, batch["target"]).item())
+            losses.append(loss_fn(cfg.task, cfg.loss, pred.output, batch["target"]).item())
             scores.setdefault(float(ex["level"]), []).append(quality(cfg.task, pred.output, batch).item())
             iters.append(pred.stats.iterations.float().mean().item())
             conv.append(pred.stats.converged.float().mean().item())
@@ -238,12 +245,12 @@ def _centre_crop(x: torch.Tensor, size: int) -> torch.Tensor:
 def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> dict:
     """Run ``cfg``; returns the report (also written to ``out/report/metrics.json`` by rank 0).
 
-    ``progress(iterable, total=…, desc=…)`` wraps the step loop (e.g. ``tqdm``) on rank 0; it must
-    offer ``set_postfix``. Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks train one model with
-    DistributedDataParallel (gloo on the CPU, nccl on CUDA), each on its share of every batch.
+    ``progress(total=steps)`` makes rank 0's progress bar over the run's remaining steps (e.g.
+    ``tqdm``: ``update``, ``set_description``, ``set_postfix``, ``write``, ``close``), whose estimate
+    of the time left covers the whole run. Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks train
+    one model with DistributedDataParallel (gloo on the CPU, nccl on CUDA), each on its share of
+    every batch.
     """
-    from kdeq.train.report import write_report
-
     rank = Rank.from_env()
     device = _device(cfg, rank)
     if rank.world > 1 and not dist.is_initialized():
@@ -285,6 +292,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
         )
 
     last = min(cfg.epochs, cfg.stop_after or cfg.epochs)
+    bar = progress(total=(last - hist.epoch) * steps_per_epoch) if progress and rank.main else None
     for epoch in range(hist.epoch + 1, last + 1):
         # the state an epoch starts from was validated; it is the first "last good state", here and
         # after a resume alike
@@ -301,12 +309,9 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
         sums = {"loss": 0.0, "score": 0.0, "iterations": 0.0, "converged": 0.0, "n": 0}
         sums["backward_nonconverged"] = 0
         epoch_start = time.perf_counter()
-        steps = (
-            progress(loader, total=len(loader), desc=f"epoch {epoch}/{cfg.epochs}")
-            if (progress and rank.main)
-            else loader
-        )
-        for batch in steps:
+        if bar is not None:
+            bar.set_description(f"epoch {epoch}/{cfg.epochs}")
+        for batch in loader:
             batch = _to(batch, device)
             base_lr = lr_at(cfg, hist.step, total) * hist.lr_factor
             for g in opt.param_groups:
@@ -314,7 +319,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
                 out, iterations, converged = net(batch, train_override)
-                loss = loss_fn(cfg.task, out, batch["target"])
+                loss = loss_fn(cfg.task, cfg.loss, out, batch["target"])
                 opt.zero_grad(set_to_none=False)
                 loss.backward()
             # the adjoint solve's shortfalls are counted, not printed at every step
@@ -330,6 +335,8 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             if rank.world > 1:
                 dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
             hist.step += 1
+            if bar is not None:
+                bar.update(1)
             if bool(verdict.any()):
                 hist.rollbacks += 1
                 hist.lr_factor *= 0.5
@@ -337,6 +344,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
                     for name, p in model.named_parameters():
                         p.copy_(good[0][name])
                 opt.load_state_dict(good[1])
+                model.project_()  # the restored kernel is the new feasible point
                 if hist.rollbacks > cfg.max_rollbacks:
                     why = "a non-finite loss or gradient" if verdict[0] else "solves that stopped converging"
                     raise TrainingError(
@@ -354,9 +362,9 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             sums["iterations"] += iterations.float().sum().item()
             sums["converged"] += converged.float().sum().item()
             sums["n"] += n
-            if steps is not loader:
+            if bar is not None:
                 k = max(1, sums["n"])
-                steps.set_postfix(
+                bar.set_postfix(
                     loss=f"{sums['loss'] / k:.3g}",
                     **{score: f"{sums['score'] / k:.3g}"},
                     it=f"{sums['iterations'] / k:.1f}",
@@ -375,6 +383,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
                 "train_converged": sums["converged"] / k,
                 "rollbacks": hist.rollbacks,
                 "backward_nonconverged_steps": sums["backward_nonconverged"],
+                "psd_truncated_steps": model.truncated_steps,
                 "lr": lr_at(cfg, hist.step - 1, total) * hist.lr_factor,
                 "seconds": time.perf_counter() - epoch_start,
                 **metrics,
@@ -385,11 +394,13 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
                 _write_checkpoint(cfg, model, hist, train_files)
             _save_state(state_dir, model, opt, hist, fp)
             write_report(report_dir, cfg, hist, val_set, start_outputs, outputs, score)
-            if progress:
-                progress_note = {k: round(v, 4) for k, v in metrics.items() if "@" not in k}
-                print(f"epoch {epoch}: {progress_note}", flush=True)
+            if bar is not None:
+                note = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if "@" not in k)
+                bar.write(f"epoch {epoch}: {note}")
         if rank.world > 1:
             dist.barrier()
+    if bar is not None:
+        bar.close()
 
     report = {"history": hist.__dict__, "seconds": time.perf_counter() - started, "world_size": rank.world}
     if rank.world > 1:
@@ -435,4 +446,5 @@ def _write_checkpoint(cfg: TrainConfig, model: TrainableModel, hist: History, fi
         notes=f"kdeq train from {cfg.spec} ({cfg.init} init), best of {cfg.epochs} epochs by validation "
         f"on {', '.join(map(str, cfg.val))}; seed {cfg.seed}",
     )
-    save_checkpoint(cfg.out, spec, tensors, provenance)
+    what = f"{spec.description} Fine-tuned by kdeq train ({cfg.init} start, epoch {int(best['epoch'])})."
+    save_checkpoint(cfg.out, spec.model_copy(update={"description": what}), tensors, provenance)
