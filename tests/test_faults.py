@@ -114,7 +114,7 @@ def test_a_broken_model_file_is_refused_by_name_and_the_rest_serve(tmp_path, cap
 
 def test_readiness_is_503_only_when_no_model_is_usable(tmp_path) -> None:
     root = copy_defaults(tmp_path)
-    for d in root.glob("*/1"):
+    for d in root.glob("*/*"):
         corrupt(d, "sha256 mismatch")
     with client(root) as c:
         assert c.app.state.service.wait_loaded(120)
