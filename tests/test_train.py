@@ -155,12 +155,19 @@ def test_project_shortens_a_step_that_leaves_the_psd_set() -> None:
     ) == pytest.approx(0.1)
 
 
-def test_a_random_start_is_lifted_to_psd() -> None:
-    spec = SPECS["inpaint-kglm"]
-    raw = random_tensors(spec, 1)
-    assert torch.linalg.eigvalsh(circular_matrix(raw["w1"].double(), 16)).min() < 0
-    model = TrainableModel(spec, raw, torch.device("cpu"))
-    assert torch.linalg.eigvalsh(circular_matrix(model.tensors()["w1"].detach().double(), 16)).min() >= -1e-9
+@pytest.mark.parametrize("name", ["inpaint-kglm", "denoise-stationary-kglm", "denoise-kglm"])
+def test_a_random_start_is_lifted_to_psd(name: str) -> None:
+    spec = SPECS[name]
+    key = "spatial" if name == "denoise-kglm" else "w1"
+
+    def as_bank(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().double() if t.dim() == 4 else t.detach().double()[None, None]
+
+    for seed in range(3):
+        raw = random_tensors(spec, seed)
+        assert torch.linalg.eigvalsh(circular_matrix(as_bank(raw[key]), 16)).min() < 0
+        lifted = TrainableModel(spec, raw, torch.device("cpu")).tensors()[key]
+        assert torch.linalg.eigvalsh(circular_matrix(as_bank(lifted), 16)).min() >= -1e-9
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

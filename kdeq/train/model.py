@@ -185,10 +185,7 @@ class TrainableModel(nn.Module):
             self._feasible = p.detach().clone()
             return
         if self._feasible is None:  # a start that is not PSD: lift it once
-            while (
-                psd_slack(symmetrize(p)) < 0
-            ):  # the margin grows with the lift: a second pass may add a hair
-                self._lift(p, psd_shift(symmetrize(p)))
+            self._lift_to_psd(p)
             self._feasible = p.detach().clone()
             return
         start, step = self._feasible, p.detach() - self._feasible
@@ -199,6 +196,20 @@ class TrainableModel(nn.Module):
         p.copy_(start + lo * step)
         self._feasible = p.detach().clone()
         self.truncated_steps += 1
+
+    @classmethod
+    def _lift_to_psd(cls, p: torch.Tensor) -> None:
+        """Add ``δ·I`` at the centre tap until ``psd_slack ≥ 0``. Each lift is twice the shortfall
+        plus a few float32 spacings of the tap: the margin grows with the lift, and a smaller
+        increment could round away in float32 and never arrive."""
+        r = p.shape[-1] // 2
+        for _ in range(8):
+            slack = psd_slack(symmetrize(p))
+            if slack >= 0:
+                return
+            centre = float(p.detach()[(r, r) if p.dim() == 2 else (0, 0, r, r)].abs())
+            cls._lift(p, 2.0 * -slack + 8.0 * torch.finfo(p.dtype).eps * max(centre, 1.0))
+        raise RuntimeError("could not lift the start's kernel to positive semi-definite")
 
     @staticmethod
     def _lift(p: torch.Tensor, delta: float) -> None:
