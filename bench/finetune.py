@@ -22,18 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
+from quality import to_numpy, to_tensor
 
 from kdeq.repository import load_predictor
-
-
-def to_tensor(img: np.ndarray) -> torch.Tensor:
-    t = torch.from_numpy(img.astype(np.float32))
-    return (t[None] if t.dim() == 2 else t.permute(2, 0, 1))[None]
-
-
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    a = t[0].double().numpy()
-    return a[0] if a.shape[0] == 1 else a.transpose(1, 2, 0)
 
 
 def cases(task: str, bsd68: bool) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, object]]]]:

@@ -36,6 +36,11 @@ class Denoiser(Predictor):
 
     task = "denoise"
 
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
+        super().__init__(checkpoint, device)
+        #: factor on the guided kernel's bandwidth ``h`` (learned by the trainer, 1 when loaded)
+        self.bandwidth_scale: float | torch.Tensor = 1.0
+
     def noise_level(
         self, x: torch.Tensor, sigma: float | Sequence[float] | torch.Tensor | None
     ) -> torch.Tensor:
@@ -50,11 +55,6 @@ class Denoiser(Predictor):
         if not bool(torch.isfinite(s).all()) or bool((s < 0).any()) or bool((s > 255).any()):
             raise ValueError("sigma must be a finite noise level in [0, 255]")
         return s / 255.0
-
-    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
-        super().__init__(checkpoint, device)
-        #: factor on the guided kernel's bandwidth ``h`` (learned by the trainer, 1 when loaded)
-        self.bandwidth_scale: float | torch.Tensor = 1.0
 
     def forward(
         self,

@@ -113,6 +113,37 @@ def quality(task: str, out: torch.Tensor, ex: dict[str, torch.Tensor]) -> torch.
     return iou(out, ex["target"])
 
 
+@dataclass
+class EpochTotals:
+    """Sums over an epoch's applied steps, per sample; ``mean`` of any of them."""
+
+    loss: float = 0.0
+    score: float = 0.0
+    iterations: float = 0.0
+    converged: float = 0.0
+    n: int = 0
+    backward_nonconverged: int = 0
+
+    def add(
+        self,
+        task: str,
+        loss: torch.Tensor,
+        out: torch.Tensor,
+        batch: dict,
+        its: torch.Tensor,
+        conv: torch.Tensor,
+    ):
+        n = out.shape[0]
+        self.loss += loss.item() * n
+        self.score += quality(task, out.detach(), batch).sum().item()
+        self.iterations += its.float().sum().item()
+        self.converged += conv.float().sum().item()
+        self.n += n
+
+    def mean(self, name: str) -> float:
+        return getattr(self, name) / max(1, self.n)
+
+
 def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
     """The scheduled step size: linear warm-up, then cosine (or constant) from ``lr`` to 0."""
     if step < cfg.warmup_steps:
@@ -306,8 +337,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             worker_init_fn=_worker_init,
             pin_memory=device.type == "cuda",
         )
-        sums = {"loss": 0.0, "score": 0.0, "iterations": 0.0, "converged": 0.0, "n": 0}
-        sums["backward_nonconverged"] = 0
+        sums = EpochTotals()
         epoch_start = time.perf_counter()
         if bar is not None:
             bar.set_description(f"epoch {epoch}/{cfg.epochs}")
@@ -323,7 +353,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
                 opt.zero_grad(set_to_none=False)
                 loss.backward()
             # the adjoint solve's shortfalls are counted, not printed at every step
-            sums["backward_nonconverged"] += sum("implicit backward" in str(w.message) for w in caught)
+            sums.backward_nonconverged += sum("implicit backward" in str(w.message) for w in caught)
             grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
             verdict = torch.tensor(
                 [
@@ -338,51 +368,34 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             if bar is not None:
                 bar.update(1)
             if bool(verdict.any()):
-                hist.rollbacks += 1
-                hist.lr_factor *= 0.5
-                with torch.no_grad():
-                    for name, p in model.named_parameters():
-                        p.copy_(good[0][name])
-                opt.load_state_dict(good[1])
-                model.project_()  # the restored kernel is the new feasible point
-                if hist.rollbacks > cfg.max_rollbacks:
-                    why = "a non-finite loss or gradient" if verdict[0] else "solves that stopped converging"
-                    raise TrainingError(
-                        f"{hist.rollbacks} rollbacks (the last for {why}) exceed max_rollbacks="
-                        f"{cfg.max_rollbacks}; lower lr or loosen the training solver"
-                    )
+                _roll_back(
+                    model, opt, good, hist, cfg, "a non-finite loss or gradient" if verdict[0] else None
+                )
                 continue
             good = _snapshot(model, opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
             opt.step()
             model.project_()
-            n = out.shape[0]
-            sums["loss"] += loss.item() * n
-            sums["score"] += quality(cfg.task, out.detach(), batch).sum().item()
-            sums["iterations"] += iterations.float().sum().item()
-            sums["converged"] += converged.float().sum().item()
-            sums["n"] += n
+            sums.add(cfg.task, loss, out, batch, iterations, converged)
             if bar is not None:
-                k = max(1, sums["n"])
                 bar.set_postfix(
-                    loss=f"{sums['loss'] / k:.3g}",
-                    **{score: f"{sums['score'] / k:.3g}"},
-                    it=f"{sums['iterations'] / k:.1f}",
+                    loss=f"{sums.mean('loss'):.3g}",
+                    **{score: f"{sums.mean('score'):.3g}"},
+                    it=f"{sums.mean('iterations'):.1f}",
                     lr=f"{base_lr:.2g}",
                     rollbacks=hist.rollbacks,
                 )
         hist.epoch = epoch
         if rank.main:
-            k = max(1, sums["n"])
             metrics, outputs = evaluate(model, val_set, cfg, device)
             entry = {
                 "epoch": epoch,
-                "train_loss": sums["loss"] / k,
-                f"train_{score}": sums["score"] / k,
-                "train_iterations": sums["iterations"] / k,
-                "train_converged": sums["converged"] / k,
+                "train_loss": sums.mean("loss"),
+                f"train_{score}": sums.mean("score"),
+                "train_iterations": sums.mean("iterations"),
+                "train_converged": sums.mean("converged"),
                 "rollbacks": hist.rollbacks,
-                "backward_nonconverged_steps": sums["backward_nonconverged"],
+                "backward_nonconverged_steps": sums.backward_nonconverged,
                 "psd_truncated_steps": model.truncated_steps,
                 "lr": lr_at(cfg, hist.step - 1, total) * hist.lr_factor,
                 "seconds": time.perf_counter() - epoch_start,
@@ -408,6 +421,30 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
     if rank.main:
         (report_dir / "run.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def _roll_back(
+    model: TrainableModel,
+    opt: torch.optim.Adam,
+    good: tuple,
+    hist: History,
+    cfg: TrainConfig,
+    why: str | None,
+) -> None:
+    """Restore the last good parameters and Adam state, halve the step size, count it; raise
+    ``TrainingError`` past ``max_rollbacks``. ``why``: the reason, default non-convergence."""
+    hist.rollbacks += 1
+    hist.lr_factor *= 0.5
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(good[0][name])
+    opt.load_state_dict(good[1])
+    model.project_()  # the restored kernel is the new feasible point
+    if hist.rollbacks > cfg.max_rollbacks:
+        raise TrainingError(
+            f"{hist.rollbacks} rollbacks (the last for {why or 'solves that stopped converging'}) exceed "
+            f"max_rollbacks={cfg.max_rollbacks}; lower lr or loosen the training solver"
+        )
 
 
 def _snapshot(model: TrainableModel, opt: torch.optim.Adam) -> tuple[dict[str, torch.Tensor], dict]:
