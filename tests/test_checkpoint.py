@@ -40,6 +40,7 @@ def test_repository_lists_the_shipped_models() -> None:
         ("denoise-stationary-kglm", 1, None),
         ("denoise-stationary-kglm", 2, None),  # fine-tuned from 1 by kdeq train
         ("inpaint-kglm", 1, None),
+        ("inpaint-kglm", 2, None),  # fine-tuned from 1 by kdeq train
         ("segment-kglm", 1, None),
     ]
 

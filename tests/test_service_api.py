@@ -61,8 +61,8 @@ def test_health_ready_and_models(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "alive"}
     assert client.get("/readyz").status_code == 200
     models = {m["id"]: m for m in client.get("/models").json()}
-    # the latest version of each model: the stationary denoiser's is the fine-tuned 2
-    assert set(models) == {"denoise-kglm:1", "denoise-stationary-kglm:2", "inpaint-kglm:1", "segment-kglm:1"}
+    # the latest version of each model: the stationary denoiser's and the inpainter's are fine-tuned
+    assert set(models) == {"denoise-kglm:1", "denoise-stationary-kglm:2", "inpaint-kglm:2", "segment-kglm:1"}
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
     assert models["denoise-kglm:1"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
 
@@ -70,7 +70,7 @@ def test_health_ready_and_models(client: TestClient) -> None:
 def test_metrics_is_a_plain_route_in_the_text_format(client: TestClient) -> None:
     r = client.get("/metrics", follow_redirects=False)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    for model in ("denoise-kglm:1", "inpaint-kglm:1", "segment-kglm:1"):
+    for model in ("denoise-kglm:1", "inpaint-kglm:2", "segment-kglm:1"):
         assert metric(r.text, "kdeq_model_ready", model=model) == 1
     assert metric(r.text, "kdeq_build_info") == 1
 
@@ -182,7 +182,7 @@ def test_inpaint_fills_missing_pixels_and_keeps_the_rest(client: TestClient) -> 
     out = np.asarray(decode(r.content)).astype(np.float64)
     assert (out[~missing] == clean[~missing]).all()
     assert np.abs(out[missing] - clean[missing]).mean() < 6.0  # 0–255 scale; the holes were 0
-    assert r.headers["x-kdeq-model"] == "inpaint-kglm:1"
+    assert r.headers["x-kdeq-model"] == "inpaint-kglm:2"
 
 
 def test_inpaint_reads_holes_from_the_alpha_channel(client: TestClient) -> None:
