@@ -282,14 +282,16 @@ def test_masks_have_their_kind() -> None:
 
 
 def test_segmentation_examples_flip_labels_of_a_binary_target() -> None:
-    clean = torch.zeros(1, 32, 32)
-    clean[:, 8:24, 8:24] = 0.8
+    clean = torch.zeros(1, 64, 64)
+    clean[:, 16:48, 16:48] = 0.8
     target = binary_target(clean)
     assert set(target.unique().tolist()) == {0.0, 1.0}
-    assert float(target[:, 8:24, 8:24].mean()) == 1.0
-    ex = Corruption("segment", sigma=(0.0, 0.0), flip=0.5)(clean, sample_generator(0, 0, 1))
+    assert float(target[:, 16:48, 16:48].mean()) == 1.0 and float(target.mean()) == 0.25
+    ex = Corruption("segment", sigma=(0.0, 0.0), flip=(0.2, 0.2))(clean, sample_generator(0, 0, 1))
+    torch.testing.assert_close(ex["target"], target)
     flipped = float((ex["noisy"] != ex["target"]).float().mean())
-    assert 0.0 <= flipped <= 0.5
+    assert flipped == pytest.approx(0.2, abs=0.03)
+    assert set(ex["noisy"].unique().tolist()) == {0.0, 1.0}
 
 
 # --- the loop ---------------------------------------------------------------------------------------
@@ -352,16 +354,23 @@ def test_guided_training_folds_its_scales_into_the_checkpoint(folders, tmp_path:
 
 
 def test_resume_continues_exactly(folders, tmp_path: Path) -> None:
+    """Byte-identical to an uninterrupted run, with a step size large enough that steps are shortened
+    to keep the kernel PSD on both sides of the interruption (the shortening starts from the resumed
+    kernel, not from the start's)."""
     full, split = tmp_path / "full" / "1", tmp_path / "split" / "1"
-    train(small_config(folders, full, epochs=3))
-    train(small_config(folders, split, epochs=3, stop_after=1))
+    train(small_config(folders, full, epochs=3, lr=0.05))
+    epochs = json.loads((full / "report" / "metrics.json").read_text())["epochs"]
+    assert epochs[1]["psd_truncated_steps"] > 0 and epochs[2]["psd_truncated_steps"] > 0
+    train(small_config(folders, split, epochs=3, lr=0.05, stop_after=1))
     assert json.loads((split / "train-state" / "state.json").read_text())["history"]["epoch"] == 1
-    train(small_config(folders, split, epochs=3, resume=True))
+    train(small_config(folders, split, epochs=3, lr=0.05, resume=True))
     a = (full / "train-state" / "state.safetensors").read_bytes()
     b = (split / "train-state" / "state.safetensors").read_bytes()
     assert a == b
     with pytest.raises(ValueError, match="differ"):
         train(small_config(folders, split, epochs=3, lr=1e-2, resume=True))
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        train(small_config(folders, split, epochs=3, lr=0.05))
 
 
 def test_a_solver_that_stops_converging_is_rolled_back(folders, tmp_path: Path) -> None:
@@ -404,6 +413,33 @@ def test_cli_refuses_bad_settings(folders, tmp_path: Path, capsys: pytest.Captur
     assert "<name>/<version>" in capsys.readouterr().err
     assert kdeq_main([*base, "--task", "denoise", "--out", str(tmp_path / "b" / "1"), "--resume"]) == 2
     assert "nothing to resume" in capsys.readouterr().err
+    bad = [*base, "--task", "inpaint", "--out", str(tmp_path / "d" / "1"), "--val-levels", "3"]
+    assert kdeq_main(bad) == 2
+    assert "index into" in capsys.readouterr().err
+    assert (
+        kdeq_main([*base, "--task", "denoise", "--out", str(tmp_path / "e" / "1"), "--patch-size", "96"]) == 2
+    )
+    assert "too small for patches of 96" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "cut.png").write_bytes((train_dir / "000.png").read_bytes()[:60])
+    assert (
+        kdeq_main(
+            [
+                "train",
+                "--task",
+                "denoise",
+                "--train",
+                str(broken),
+                "--val",
+                str(val_dir),
+                "--out",
+                str(tmp_path / "f" / "1"),
+            ]
+        )
+        == 2
+    )
+    assert "cut.png: cannot be read" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
     assert (

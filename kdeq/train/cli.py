@@ -94,12 +94,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"kdeq train: failed: {err}", file=sys.stderr)
         return 4
     hist = report["history"]
-    if hist["best_epoch"] is not None:
-        score = "val_iou" if cfg.task == "segment" else "val_psnr"
-        start, best = hist["epochs"][0][score], hist["epochs"][hist["best_epoch"]][score]
+    if not hist["epochs"]:  # another rank's process: rank 0 reports
+        return 0
+    if hist["best_epoch"] is None:
+        print("kdeq train: failed: no epoch had a finite validation score; nothing written", file=sys.stderr)
+        return 4
+    score = "val_iou" if cfg.task == "segment" else "val_psnr"
+    start, best = hist["epochs"][0][score], hist["epochs"][hist["best_epoch"]][score]
+    print(
+        f"wrote {cfg.out}: epoch {hist['best_epoch']} of {cfg.epochs}, {score} {start:.4g} at the "
+        f"start → {best:.4g}; {hist['rollbacks']} rollbacks; report in {cfg.out / 'report'}"
+    )
+    if best <= start:
         print(
-            f"wrote {cfg.out}: epoch {hist['best_epoch']} of {cfg.epochs}, {score} {start:.4g} at the "
-            f"start → {best:.4g}; {hist['rollbacks']} rollbacks; report in {cfg.out / 'report'}"
+            f"kdeq train: warning: no epoch beat the start on validation ({best:.4g} ≤ {start:.4g})",
+            file=sys.stderr,
         )
     return 0
 

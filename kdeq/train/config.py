@@ -94,6 +94,17 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{name} must be a range lo ≤ hi within [0, {top:g}], got ({lo}, {hi})")
         if not self.mask_kinds:
             raise ValueError("mask_kinds needs at least one kind")
+        for level in self.val_levels:
+            ok = {
+                "denoise": 0 <= level <= 255,
+                "inpaint": level == int(level) and 0 <= level < len(self.mask_kinds),
+                "segment": 0 <= level <= 0.5,
+            }[self.task]
+            if not ok:
+                raise ValueError(
+                    f"val level {level:g} is not a noise level in [0, 255] (denoise), an index into "
+                    f"mask_kinds (inpaint) or a flip fraction in [0, 0.5] (segment)"
+                )
         if self.model_spec().task != self.task:
             raise ValueError(f"spec {self.spec!r} is a {self.model_spec().task} model, not {self.task}")
         return self

@@ -12,7 +12,7 @@ Corruptions, per task (images in [0, 1]):
   probability ``p ~ U[p_min, p_max]``), ``blocks`` (random rectangles) or ``strokes`` (brush strokes:
   thick random walks);
 - ``segment``: the target ``t = [x̄ > τ]`` (``x̄`` the patch's luminance, ``τ`` its Otsu threshold), the
-  input ``t`` with a fraction ``f ~ U[0, f_max]`` of pixels flipped plus additive noise ``σ``.
+  input ``t`` with a fraction ``f ~ U[f_min, f_max]`` of pixels flipped plus additive noise ``σ``.
 """
 
 from __future__ import annotations
@@ -51,13 +51,27 @@ def load_images(files: Sequence[Path], channels: int) -> list[torch.Tensor]:
     """Each file as ``(channels, H, W)`` float32 in [0, 1]: colour to luminance for 1, grey repeated for 3."""
     out = []
     for path in files:
-        x = read_image(path)[0]
+        try:
+            x = read_image(path)[0]
+        except (OSError, ValueError) as err:  # PIL: unreadable, truncated, not an image
+            raise ValueError(f"{path}: cannot be read as an image ({err})") from None
         if channels == 1 and x.shape[0] == 3:
             x = sum(w * x[i : i + 1] for i, w in enumerate(LUMA))
         elif channels == 3 and x.shape[0] == 1:
             x = x.expand(3, -1, -1)
         out.append(x.contiguous())
     return out
+
+
+def check_patch_size(files: Sequence[Path], images: Sequence[torch.Tensor], size: int) -> None:
+    """``ValueError`` naming the first image too small for ``size × size`` patches: a smaller image
+    is mirrored up to the patch, which needs each side above ``size/2``."""
+    for path, image in zip(files, images, strict=True):
+        h, w = image.shape[-2:]
+        if 2 * min(h, w) <= size:
+            raise ValueError(
+                f"{path}: {w}×{h} is too small for patches of {size}² (sides must exceed {size // 2})"
+            )
 
 
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
@@ -153,7 +167,7 @@ class Corruption:
         clip: clip noisy images to [0, 1] (the paper's experiment does).
         mask_kinds: the inpainting mask kinds to draw from (uniformly).
         missing: range of the missing probability of ``pixels`` masks.
-        flip: largest fraction of flipped labels for ``segment``.
+        flip: range of the fraction of flipped labels for ``segment``.
     """
 
     task: str
@@ -161,7 +175,7 @@ class Corruption:
     clip: bool = False
     mask_kinds: tuple[MaskKind, ...] = MASK_KINDS
     missing: tuple[float, float] = (0.2, 0.9)
-    flip: float = 0.1
+    flip: tuple[float, float] = (0.0, 0.1)
 
     def __call__(self, clean: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
         """The example for one clean patch ``(c, H, W)``: ``target`` and the model's inputs
@@ -179,7 +193,7 @@ class Corruption:
             miss.view(-1)[int(torch.randint(miss.numel(), (), generator=gen))] = False
             return {"target": clean, "image": clean, "missing": miss[None]}
         target = binary_target(clean)
-        flipped = torch.rand(target.shape, generator=gen) < _uniform(gen, 0.0, self.flip)
+        flipped = torch.rand(target.shape, generator=gen) < _uniform(gen, *self.flip)
         s = _uniform(gen, *self.sigma)
         noisy = torch.where(flipped, 1.0 - target, target) + (s / 255.0) * torch.randn(
             target.shape, generator=gen
@@ -213,8 +227,9 @@ def validation_set(
     images: Sequence[torch.Tensor], corruption: Corruption, levels: Sequence[float], seed: int
 ) -> list[dict[str, torch.Tensor]]:
     """Fixed validation examples: every image at every level (a noise σ for denoise, a mask kind for
-    inpaint: ``levels`` index ``corruption.mask_kinds``; the largest flip fraction for segment), seeded by
-    position so every epoch (and every run with the same seed) sees the same inputs."""
+    inpaint: ``levels`` index ``corruption.mask_kinds`` and the missing fraction is the middle of its
+    range; for segment the flip fraction, with the middle of the noise range), seeded by position so
+    every epoch (and every run with the same seed) sees the same inputs."""
     out = []
     for i, image in enumerate(images):
         for j, level in enumerate(levels):
@@ -222,11 +237,12 @@ def validation_set(
             if corruption.task == "denoise":
                 case = Corruption("denoise", sigma=(level, level), clip=corruption.clip)
             elif corruption.task == "inpaint":
-                kind = corruption.mask_kinds[int(level) % len(corruption.mask_kinds)]
+                kind = corruption.mask_kinds[int(level)]
                 mid = sum(corruption.missing) / 2
                 case = Corruption("inpaint", mask_kinds=(kind,), missing=(mid, mid))
             else:
-                case = Corruption("segment", sigma=corruption.sigma, flip=level)
+                mid = sum(corruption.sigma) / 2
+                case = Corruption("segment", sigma=(mid, mid), flip=(level, level))
             example = case(image, gen)
             example["level"] = torch.tensor(float(level))
             out.append(example)

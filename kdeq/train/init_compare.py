@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -296,9 +297,12 @@ def main(args) -> int:
         seed=args.seed,
     )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(setup.seed)
-    result = run(setup)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        result = run(setup)
+    except (ValueError, OSError) as err:
+        print(f"kdeq experiment init-compare: error: {err}", file=sys.stderr)
+        return 2
     (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     table = table_markdown(result["table"])
     (out / "table.md").write_text(table)

@@ -46,6 +46,7 @@ from kdeq.train.config import TrainConfig
 from kdeq.train.data import (
     Corruption,
     PatchDataset,
+    check_patch_size,
     image_files,
     load_images,
     validation_set,
@@ -154,9 +155,11 @@ def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _fingerprint(cfg: TrainConfig) -> str:
-    """What must not change between a run and its resumption."""
+def _fingerprint(cfg: TrainConfig, world: int) -> str:
+    """What must not change between a run and its resumption: the settings (but ``resume``,
+    ``stop_after``, ``workers``, ``device``) and the number of ranks, which sets the step's batch."""
     data = cfg.model_dump(mode="json", exclude={"resume", "stop_after", "workers", "device"})
+    data["world_size"] = world
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -221,7 +224,10 @@ def _load_state(directory: Path, model: TrainableModel, opt: torch.optim.Adam, f
         raise ValueError(f"nothing to resume: {meta_path} does not exist")
     meta = json.loads(meta_path.read_text())
     if meta["fingerprint"] != fp:
-        raise ValueError(f"{directory}: these settings differ from the run being resumed (only epochs may)")
+        raise ValueError(
+            f"{directory}: these settings or the number of ranks differ from the run being resumed "
+            "(only --stop-after, --workers and --device may change)"
+        )
     tensors = load_file(str(directory / "state.safetensors"))
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -287,7 +293,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
     if rank.world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     spec = cfg.model_spec()
-    fp = _fingerprint(cfg)
+    fp = _fingerprint(cfg, rank.world)
     model = TrainableModel(spec, start_tensors(spec, cfg.init, cfg.seed), device, cfg.backward)
     scalars = [p for n, p in model.named_parameters() if not n.startswith("raw.")]
     tensors = [p for n, p in model.named_parameters() if n.startswith("raw.")]
@@ -296,14 +302,20 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
         groups.append({"params": scalars, "scale": 10.0})
     opt = torch.optim.Adam(groups, lr=cfg.lr)
     state_dir, report_dir = cfg.out / STATE_DIR, cfg.out / REPORT_DIR
-    hist = _load_state(state_dir, model, opt, fp) if cfg.resume else History()
+    if cfg.resume:
+        hist = _load_state(state_dir, model, opt, fp)
+        model.project_()  # the resumed kernel, not the start, is the last feasible point
+    elif (cfg.out / "config.json").exists():
+        raise ValueError(f"{cfg.out} already holds a checkpoint; choose another version or --resume")
+    else:
+        hist = History()
     net = DistributedDataParallel(model) if rank.world > 1 else model
 
-    corruption = Corruption(cfg.task, cfg.sigma, cfg.clip_noise, cfg.mask_kinds, cfg.missing, cfg.flip)
+    corruption = Corruption(cfg.task, cfg.sigma, cfg.clip_noise, cfg.mask_kinds, cfg.missing, (0.0, cfg.flip))
     train_files = image_files(cfg.train)
-    dataset = PatchDataset(
-        load_images(train_files, cfg.channels), cfg.patch_size, corruption, cfg.samples_per_epoch, cfg.seed
-    )
+    train_images = load_images(train_files, cfg.channels)
+    check_patch_size(train_files, train_images, cfg.patch_size)
+    dataset = PatchDataset(train_images, cfg.patch_size, corruption, cfg.samples_per_epoch, cfg.seed)
     val_images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
     val_set = validation_set(val_images[: cfg.val_limit], corruption, cfg.levels(), cfg.seed)
     per_step = cfg.batch_size * rank.world
@@ -338,6 +350,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             pin_memory=device.type == "cuda",
         )
         sums = EpochTotals()
+        truncated_before = model.truncated_steps
         epoch_start = time.perf_counter()
         if bar is not None:
             bar.set_description(f"epoch {epoch}/{cfg.epochs}")
@@ -352,8 +365,12 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
                 loss = loss_fn(cfg.task, cfg.loss, out, batch["target"])
                 opt.zero_grad(set_to_none=False)
                 loss.backward()
-            # the adjoint solve's shortfalls are counted, not printed at every step
-            sums.backward_nonconverged += sum("implicit backward" in str(w.message) for w in caught)
+            # the adjoint solve's shortfalls are counted, not printed at every step; others pass through
+            for w in caught:
+                if "implicit backward" in str(w.message):
+                    sums.backward_nonconverged += 1
+                else:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
             grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
             verdict = torch.tensor(
                 [
@@ -396,7 +413,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
                 "train_converged": sums.mean("converged"),
                 "rollbacks": hist.rollbacks,
                 "backward_nonconverged_steps": sums.backward_nonconverged,
-                "psd_truncated_steps": model.truncated_steps,
+                "psd_truncated_steps": model.truncated_steps - truncated_before,
                 "lr": lr_at(cfg, hist.step - 1, total) * hist.lr_factor,
                 "seconds": time.perf_counter() - epoch_start,
                 **metrics,
@@ -460,7 +477,8 @@ def _snapshot(model: TrainableModel, opt: torch.optim.Adam) -> tuple[dict[str, t
 
 def _rank_difference(model: TrainableModel) -> float:
     """Largest ``|θ_rank − θ_0|`` over the parameters and ranks (0 when DDP kept them identical)."""
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).cpu().to(torch.float64)
+    # on the parameters' device: nccl gathers CUDA tensors only
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()]).to(torch.float64)
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return max(float((g - gathered[0]).abs().max()) for g in gathered)
