@@ -420,44 +420,20 @@ def test_cli_refuses_bad_settings(folders, tmp_path: Path, capsys: pytest.Captur
         kdeq_main([*base, "--task", "denoise", "--out", str(tmp_path / "e" / "1"), "--patch-size", "96"]) == 2
     )
     assert "too small for patches of 96" in capsys.readouterr().err
+
+    def only_train_from(folder: Path, out: str) -> int:
+        return kdeq_main(
+            ["train", "--task", "denoise", "--train", str(folder), "--val", str(val_dir), "--out", out]
+        )
+
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "cut.png").write_bytes((train_dir / "000.png").read_bytes()[:60])
-    assert (
-        kdeq_main(
-            [
-                "train",
-                "--task",
-                "denoise",
-                "--train",
-                str(broken),
-                "--val",
-                str(val_dir),
-                "--out",
-                str(tmp_path / "f" / "1"),
-            ]
-        )
-        == 2
-    )
+    assert only_train_from(broken, str(tmp_path / "f" / "1")) == 2
     assert "cut.png: cannot be read" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert (
-        kdeq_main(
-            [
-                "train",
-                "--task",
-                "denoise",
-                "--train",
-                str(empty),
-                "--val",
-                str(val_dir),
-                "--out",
-                str(tmp_path / "c" / "1"),
-            ]
-        )
-        == 2
-    )
+    assert only_train_from(empty, str(tmp_path / "c" / "1")) == 2
     assert "no PNG" in capsys.readouterr().err
 
 
