@@ -21,6 +21,14 @@ from kdeq.predictor import Prediction, Predictor, SolverOverride
 LUMA = (0.299, 0.587, 0.114)  # ITU-R BT.601
 
 
+def luminance(x: torch.Tensor) -> torch.Tensor:
+    """Luma ``Σ_i w_i x_i`` (BT.601 weights) of colour images ``(…, 3, H, W)``; the channel mean of
+    any other channel count; shape ``(…, 1, H, W)``."""
+    if x.shape[-3] == 3:
+        return sum(w * x[..., i : i + 1, :, :] for i, w in enumerate(LUMA))
+    return x.mean(dim=-3, keepdim=True)
+
+
 def otsu_threshold(x: torch.Tensor, bins: int = 256) -> torch.Tensor:
     """Otsu's threshold per image ``(B,)`` for ``x`` ``(B, 1, H, W)``: the bin edge between the
     image's minimum and maximum that maximises the between-class variance ``ω₀ω₁(μ₀ − μ₁)²``."""
@@ -60,10 +68,7 @@ class Segmenter(Predictor):
         ``output`` is the foreground probability ``(B, 1, H, W)`` and ``mask`` its ``> 1/2`` set.
         """
         x = self.images(images)
-        if x.shape[1] == 3:
-            grey = sum(w * x[:, i : i + 1] for i, w in enumerate(LUMA))
-        else:
-            grey = x.mean(dim=1, keepdim=True)
+        grey = luminance(x)
         smooth = separable_blur(grey, self.presmooth_taps)
         if threshold is None:
             tau = otsu_threshold(smooth)

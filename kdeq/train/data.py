@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from kdeq.imageio import read_image
-from kdeq.segment import LUMA, otsu_threshold
+from kdeq.segment import luminance, otsu_threshold
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
 MaskKind = Literal["pixels", "blocks", "strokes"]
@@ -56,7 +56,7 @@ def load_images(files: Sequence[Path], channels: int) -> list[torch.Tensor]:
         except (OSError, ValueError) as err:  # PIL: unreadable, truncated, not an image
             raise ValueError(f"{path}: cannot be read as an image ({err})") from None
         if channels == 1 and x.shape[0] == 3:
-            x = sum(w * x[i : i + 1] for i, w in enumerate(LUMA))
+            x = luminance(x)
         elif channels == 3 and x.shape[0] == 1:
             x = x.expand(3, -1, -1)
         out.append(x.contiguous())
@@ -152,7 +152,7 @@ def make_mask(kind: MaskKind, shape: tuple[int, int], fraction: tuple[float, flo
 
 def binary_target(x: torch.Tensor) -> torch.Tensor:
     """``[x̄ > τ]`` ``(1, H, W)`` float for ``x`` ``(c, H, W)``: luminance above its Otsu threshold."""
-    grey = sum(w * x[i : i + 1] for i, w in enumerate(LUMA)) if x.shape[0] == 3 else x.mean(0, keepdim=True)
+    grey = luminance(x)
     tau = otsu_threshold(grey[None])
     return (grey > tau.reshape(1, 1, 1)).to(torch.float32)
 

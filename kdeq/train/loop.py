@@ -71,7 +71,6 @@ class History:
     lr_factor: float = 1.0
     rollbacks: int = 0
     best_epoch: int | None = None
-    best_metric: float = -math.inf
     epochs: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -419,8 +418,9 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
                 **metrics,
             }
             hist.epochs.append(entry)
-            if metrics[f"val_{score}"] > hist.best_metric:
-                hist.best_metric, hist.best_epoch = metrics[f"val_{score}"], epoch
+            best = -math.inf if hist.best_epoch is None else hist.epochs[hist.best_epoch][f"val_{score}"]
+            if metrics[f"val_{score}"] > best:
+                hist.best_epoch = epoch
                 _write_checkpoint(cfg, model, hist, train_files)
             _save_state(state_dir, model, opt, hist, fp)
             write_report(report_dir, cfg, hist, val_set, start_outputs, outputs, score)
