@@ -18,6 +18,7 @@ Shapes: guide and images ``(B, c, H, W)``; weights ``(B, O, H, W)`` with
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,78 +63,163 @@ def half_offsets(radius: int) -> list[tuple[int, int]]:
     return [(0, 0)] + [(a, b) for a in rng for b in rng if a > 0 or (a == 0 and b > 0)]
 
 
-def _box_sum(x: torch.Tensor, p: int) -> torch.Tensor:
-    """Sum over ``(2p+1)²`` windows without padding: ``(B, 1, H+2p, W+2p) → (B, 1, H, W)``."""
-    if p == 0:
-        return x
-    return F.avg_pool2d(x, 2 * p + 1, stride=1) * (2 * p + 1) ** 2
-
-
 def _radius(weights: torch.Tensor) -> int:
     """``R`` from the number of weight maps ``O = ((2R+1)² + 1)/2``."""
     return math.isqrt(2 * weights.shape[1] - 1) // 2
 
 
+Offsets = Sequence[tuple[int, int]]
+
+
+def _inside(height: int, width: int, offsets: Offsets, device: torch.device) -> torch.Tensor:
+    """``1[x + o ∈ image]`` ``(len(offsets), H, W)`` as bool."""
+    rows = torch.arange(height, device=device).reshape(1, height, 1)
+    cols = torch.arange(width, device=device).reshape(1, 1, width)
+    a = torch.tensor([o[0] for o in offsets], device=device).reshape(-1, 1, 1)
+    b = torch.tensor([o[1] for o in offsets], device=device).reshape(-1, 1, 1)
+    return (rows + a >= 0) & (rows + a < height) & (cols + b >= 0) & (cols + b < width)
+
+
 def guided_weights(
-    guide: torch.Tensor, spatial: torch.Tensor, patch_radius: int, h2: torch.Tensor
+    guide: torch.Tensor,
+    spatial: torch.Tensor,
+    patch_radius: int,
+    h2: torch.Tensor,
+    offsets: Offsets | None = None,
 ) -> torch.Tensor:
     """Weight maps ``w_o(x) = k_s(o)·exp(−‖g(x) − g(x+o)‖²/2h²)`` ``(B, O, H, W)``, unnormalised.
 
     ``guide`` ``(B, c, H, W)``; ``spatial`` the taps ``k_s(o)`` ``(2R+1, 2R+1)``
-    centred at ``(R, R)`` and point-symmetric; ``h2`` ``(B,)``.
+    centred at ``(R, R)`` and point-symmetric; ``h2`` ``(B,)``; ``offsets`` a
+    part of the half set (default all of it; ``O`` is its length), so that a
+    large image can be processed a part at a time.
+
+    The patch distance is a box sum of per-pixel squared differences. Offsets
+    are processed a few at a time so that the temporaries stay in cache.
     """
     bsz, _, height, width = guide.shape
     r, p = spatial.shape[0] // 2, patch_radius
+    chosen = half_offsets(r) if offsets is None else list(offsets)
     padded = mirror_pad(guide, p)
-    shifted_src = F.pad(padded, (r, r, r, r))
-    offsets = half_offsets(r)
-    taps = [spatial[r + a, r + b] for a, b in offsets]
-    inv = (-0.5 / h2.clamp(min=torch.finfo(guide.dtype).tiny)).reshape(bsz, 1, 1, 1)
-    rows = torch.arange(height, device=guide.device).reshape(height, 1)
-    cols = torch.arange(width, device=guide.device).reshape(1, width)
+    src = F.pad(padded, (r, r, r, r))
     hp, wp = padded.shape[-2:]
-    out = torch.empty(bsz, len(offsets), height, width, dtype=guide.dtype, device=guide.device)
-    for k, (a, b) in enumerate(offsets):
-        moved = shifted_src[..., r + a : r + a + hp, r + b : r + b + wp]
-        dist = _box_sum((padded - moved).square().sum(dim=1, keepdim=True), p)
-        inside = ((rows + a >= 0) & (rows + a < height) & (cols + b >= 0) & (cols + b < width)).to(
-            guide.dtype
+    inv = (-0.5 / h2.clamp(min=torch.finfo(guide.dtype).tiny)).reshape(bsz, 1, 1, 1)
+    out = torch.empty(bsz, len(chosen), height, width, dtype=guide.dtype, device=guide.device)
+    for start in range(0, len(chosen), _CHUNK):
+        part = chosen[start : start + _CHUNK]
+        sq = torch.stack(
+            [
+                (padded - src[..., r + a : r + a + hp, r + b : r + b + wp]).square().sum(dim=1)
+                for a, b in part
+            ],
+            dim=1,
         )
-        out[:, k : k + 1] = taps[k] * torch.exp(dist * inv) * inside
+        arg = _window_sum(_window_sum(sq, 2 * p + 1, -1), 2 * p + 1, -2) * inv
+        taps = torch.stack([spatial[r + a, r + b] for a, b in part]).reshape(1, -1, 1, 1)
+        # e^-60 is far below float32 resolution next to the centre weight; cutting there keeps
+        # the weights out of subnormal range, where exp and every later product are ~10× slower
+        keep = (arg > _CUTOFF) & _inside(height, width, part, guide.device)
+        out[:, start : start + len(part)] = torch.exp(arg.clamp(min=_CUTOFF)) * (taps * keep)
     return out
 
 
-def apply_weights(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+_CHUNK = 4
+_CUTOFF = -60.0
+
+
+def _window_sum(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """Sums of ``n`` consecutive entries along ``dim`` (length ``L → L − n + 1``), by doubling:
+    ``O(log n)`` adds of whole tensors, each a sum of few terms (no cumulative-sum cancellation)."""
+    if n == 1:
+        return x
+    length = x.shape[dim]
+    half = _window_sum(x, n // 2, dim)
+    out = half.narrow(dim, 0, length - n + 1) + half.narrow(dim, n // 2, length - n + 1)
+    if n % 2:
+        out = out + x.narrow(dim, n - 1, length - n + 1)
+    return out
+
+
+def apply_weights(weights: torch.Tensor, x: torch.Tensor, offsets: Offsets | None = None) -> torch.Tensor:
     """``K x`` per sample and channel: ``(Kx)(y) = Σ_{x'} k(y, x') x(x')`` for ``x`` ``(B, c, H, W)``.
 
     Each stored ``w_o(x)`` serves both ``k(x, x+o)`` and ``k(x+o, x)``, so ``K`` is symmetric.
+    ``weights`` ``(B, O, H, W)`` belong to ``offsets`` (default the whole half set); over a
+    partition of the half set the products add up to ``K x``.
     """
     height, width = x.shape[-2:]
-    r = _radius(weights)
+    chosen = half_offsets(_radius(weights)) if offsets is None else offsets
+    r = max(max(abs(a), abs(b)) for a, b in chosen)
     xp = F.pad(x, (r, r, r, r))
-    out = weights[:, :1] * x
+    out = torch.zeros_like(x)
     back = torch.zeros_like(xp)
-    for k, (a, b) in enumerate(half_offsets(r)[1:], start=1):
+    for k, (a, b) in enumerate(chosen):
         w = weights[:, k : k + 1]
-        out = out + w * xp[..., r + a : r + a + height, r + b : r + b + width]
-        back[..., r + a : r + a + height, r + b : r + b + width] += w * x
+        if a == 0 and b == 0:
+            out.addcmul_(w, x)
+            continue
+        out.addcmul_(w, xp[..., r + a : r + a + height, r + b : r + b + width])
+        back[..., r + a : r + a + height, r + b : r + b + width].addcmul_(w, x)
     return out + back[..., r : r + height, r : r + width]
 
 
-def normalize_weights(weights: torch.Tensor, degree: torch.Tensor | None = None) -> torch.Tensor:
-    """Weights of ``D^{-1/2} K D^{-1/2}`` with ``d = K1`` (pass ``degree`` ``(B, 1, H, W)`` if
-    already computed); same shape ``(B, O, H, W)``."""
-    r = _radius(weights)
-    height, width = weights.shape[-2:]
-    d = apply_weights(weights, torch.ones_like(weights[:, :1])) if degree is None else degree
-    s = d.clamp(min=torch.finfo(d.dtype).tiny).rsqrt()
-    sp = F.pad(s, (r, r, r, r))
-    scaled = torch.empty_like(weights)
-    for k, (a, b) in enumerate(half_offsets(r)):
-        scaled[:, k : k + 1] = (
-            weights[:, k : k + 1] * s * sp[..., r + a : r + a + height, r + b : r + b + width]
-        )
-    return scaled
+#: default memory for weight maps and their temporaries (bytes); beyond it they are recomputed
+WEIGHT_BUDGET = 1 << 30
+
+
+class GuidedOperator:
+    """``K̃``: ``K`` or ``D^{-1/2} K D^{-1/2}`` (``d = K1``) of a batch of guides, as an operator.
+
+    One offset's weight map holds ``B·H·W`` numbers, and making it takes about
+    four times that at the padded size. When the ``O`` maps fit in ``budget``
+    bytes they are made once and kept; otherwise they are remade at every
+    application, in parts of as many offsets as fit, so a solve's memory stays
+    within the budget whatever the image size, at the price of recomputing the
+    weights. Both give the same ``K̃``.
+
+    Attributes:
+        degree: ``d = K1`` ``(B, 1, H, W)`` of the unnormalised kernel.
+        parts: how many parts the offsets are processed in (1: the weights are kept).
+    """
+
+    def __init__(
+        self,
+        guide: torch.Tensor,
+        spatial: torch.Tensor,
+        patch_radius: int,
+        h2: torch.Tensor,
+        normalize: bool,
+        budget: int = WEIGHT_BUDGET,
+    ) -> None:
+        self._args = (guide, spatial, patch_radius, h2)
+        offsets = half_offsets(spatial.shape[0] // 2)
+        bsz, _, height, width = guide.shape
+        pad = 2 * patch_radius
+        per_offset = 4 * bsz * (height + pad) * (width + pad) * guide.element_size()
+        size = max(1, min(len(offsets), budget // per_offset))
+        self._parts = [offsets[i : i + size] for i in range(0, len(offsets), size)]
+        self._weights = guided_weights(*self._args) if len(self._parts) == 1 else None
+        self.degree = self.kernel(torch.ones_like(guide[:, :1]))
+        self._scale = self.degree.clamp(min=torch.finfo(guide.dtype).tiny).rsqrt() if normalize else None
+
+    @property
+    def parts(self) -> int:
+        return len(self._parts)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """``K x`` of the unnormalised kernel for ``x`` ``(B, c, H, W)``."""
+        if self._weights is not None:
+            return apply_weights(self._weights, x)
+        out = torch.zeros_like(x)
+        for part in self._parts:
+            out = out + apply_weights(guided_weights(*self._args, offsets=part), x, part)
+        return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``K̃ x``: ``K x``, or ``s ⊙ K(s ⊙ x)`` with ``s = d^{-1/2}`` when normalised."""
+        if self._scale is None:
+            return self.kernel(x)
+        return self._scale * self.kernel(self._scale * x)
 
 
 def guided_gram(
@@ -157,12 +243,12 @@ def guided_gram(
 
 
 class GuidedMap(nn.Module):
-    """``x ↦ s·K x`` for per-image weight maps ``(B, O, H, W)`` and a scale ``s`` ``(B,)`` (e.g. ``±1/λ``)."""
+    """``x ↦ s·K̃ x`` for a ``GuidedOperator`` ``K̃`` and a scale ``s`` ``(B,)`` (e.g. ``±1/λ``)."""
 
-    def __init__(self, weights: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, operator: GuidedOperator, scale: torch.Tensor) -> None:
         super().__init__()
-        self.weights = weights
+        self.operator = operator
         self.scale = scale.reshape(-1, 1, 1, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * apply_weights(self.weights, x)
+        return self.scale * self.operator(x)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kdeq.adaptive import GuidedMap, apply_weights, guided_weights, normalize_weights
+from kdeq.adaptive import WEIGHT_BUDGET, GuidedMap, GuidedOperator
 from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
@@ -40,6 +40,8 @@ class Denoiser(Predictor):
         super().__init__(checkpoint, device)
         #: factor on the guided kernel's bandwidth ``h`` (learned by the trainer, 1 when loaded)
         self.bandwidth_scale: float | torch.Tensor = 1.0
+        #: bytes the guided kernel's weight maps may take before they are recomputed per use
+        self.weight_budget = WEIGHT_BUDGET
 
     def noise_level(
         self, x: torch.Tensor, sigma: float | Sequence[float] | torch.Tensor | None
@@ -83,8 +85,8 @@ class Denoiser(Predictor):
         guide = separable_blur(x, taps)
         # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
         h2 = kern.h2(x.shape[1], s * taps.square().sum()) * self.bandwidth_scale**2
-        w0 = guided_weights(guide, self.tensors["spatial"], kern.patch_radius, h2)
-        degree = apply_weights(w0, torch.ones_like(x[:, :1]))
-        mean = apply_weights(w0, x) / degree if self.config.mean == "local" else self.mean(x)
-        w = normalize_weights(w0, degree) if kern.normalize else w0
-        return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(w, s)), mean
+        op = GuidedOperator(
+            guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget
+        )
+        mean = op.kernel(x) / op.degree if self.config.mean == "local" else self.mean(x)
+        return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s)), mean

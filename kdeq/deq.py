@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kdeq.conv import Padding, conv
-from kdeq.families import Family
+from kdeq.conv import Padding, Stationary, conv
+from kdeq.families import Family, Gaussian
 from kdeq.implicit import Backward, equilibrium
+from kdeq.linear import solve_affine
 from kdeq.priors import Prior, rho
 from kdeq.solvers import SolverConfig, SolverStats
 
@@ -47,6 +48,12 @@ class ConvMap(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(bank.clone())
         self.padding = padding
+
+    def stationary(self) -> Stationary | None:
+        """The map as one filter (``kdeq.linear``) when the bank has one input and one output channel."""
+        if self.weight.shape[:2] != (1, 1):
+            return None
+        return Stationary(self.weight[0, 0], torch.ones((), dtype=self.weight.dtype), self.padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return conv(x, self.weight, self.padding)
@@ -101,6 +108,12 @@ class KGLMDEQ(nn.Module):
         self.backward_solver = backward_solver
         self.same_coordinates = same_coordinates
 
+    @property
+    def affine(self) -> bool:
+        """Whether the equilibrium map is affine in ``z`` (Gaussian family, flat prior): then a CG
+        solve without autograd goes to ``kdeq.linear``, which solves the same system faster."""
+        return isinstance(self.family, Gaussian) and self.w3 is None
+
     def cell(
         self,
         z: torch.Tensor,
@@ -149,7 +162,9 @@ class KGLMDEQ(nn.Module):
         ``mean``/``mean_out`` are ``m(X)`` and ``m(X̃)`` (default 0; ``mean_out``
         defaults to ``mean`` when ``X̃ = X`` and must be given otherwise),
         ``mask`` the observed set (default all), ``z0`` the start (default
-        ``σ(m)``), ``solver`` an override of the layer's default.
+        ``σ(m)``), ``solver`` an override of the layer's default. With the ``cg`` method, an affine
+        map and autograd off the solve is ``kdeq.linear.solve_affine`` (a transform where one
+        diagonalises the map, else preconditioned CG); otherwise ``kdeq.implicit.equilibrium``.
         """
         if mean is not None and mean_out is None:
             if not self.same_coordinates:
@@ -159,7 +174,10 @@ class KGLMDEQ(nn.Module):
         if z0 is None:
             z0 = self.family.sigma(mean if mean is not None else torch.zeros_like(t))
         cfg = solver or self.solver
-        z, stats = equilibrium(
-            lambda v: self.cell(v, t, mean, mask), z0, cfg, self.backward, self.backward_solver
-        )
+        if cfg.method == "cg" and self.affine and not torch.is_grad_enabled():
+            z, stats = solve_affine(self.w1, self.w2, t, mean, mask, z0, cfg)
+        else:
+            z, stats = equilibrium(
+                lambda v: self.cell(v, t, mean, mask), z0, cfg, self.backward, self.backward_solver
+            )
         return DEQOutput(self.readout(z, t, mean_out, mask), z, stats)

@@ -5,11 +5,9 @@ import torch
 
 from kdeq.adaptive import (
     GuidedKernel,
-    apply_weights,
+    GuidedOperator,
     guided_gram,
-    guided_weights,
     half_offsets,
-    normalize_weights,
 )
 from kdeq.cli import test_image as piecewise_image
 from kdeq.kernels import Kernel
@@ -37,17 +35,19 @@ def test_half_offsets_cover_every_offset_once_with_its_mirror() -> None:
     assert len(half) == (7 * 7 + 1) // 2 and len(full) == 49
 
 
+@pytest.mark.parametrize("budget", [1 << 30, 1], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("patch", [0, 1, 2])
-def test_guided_operator_equals_dense_gram_from_explicit_features(normalize: bool, patch: int) -> None:
+def test_guided_operator_equals_dense_gram_from_explicit_features(
+    normalize: bool, patch: int, budget: int
+) -> None:
     spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
     guide = torch.rand(2, 3, 9, 11, dtype=F64)
     h2 = torch.tensor([0.3, 1.5], dtype=F64)
-    w = guided_weights(guide, spatial, patch, h2)
-    if normalize:
-        w = normalize_weights(w)
+    op = GuidedOperator(guide, spatial, patch, h2, normalize, budget)
+    assert op.parts == (1 if budget > 1 else len(half_offsets(3)))
     x = torch.randn(2, 3, 9, 11, dtype=F64)
-    y = apply_weights(w, x)
+    y = op(x)
     for b in range(2):
         gram = guided_gram(guide[b], spatial, patch, h2[b].item(), normalize)
         expected = (gram @ x[b].reshape(3, -1).T).T.reshape(3, 9, 11)

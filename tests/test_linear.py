@@ -1,0 +1,135 @@
+"""The transforms and the linear solves against independent computations."""
+
+import math
+
+import pytest
+import torch
+
+from kdeq import Kernel, SolverConfig
+from kdeq.conv import ScaledConv, conv
+from kdeq.deq import KGLMDEQ
+from kdeq.families import Gaussian
+from kdeq.linear import solve_affine
+from kdeq.priors import GaussianPrior
+from kdeq.transforms import dct2, dct_symbol, dft_symbol, idct2
+
+F64 = torch.float64
+
+
+def dct_matrix(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II matrix from its definition ``c_k cos(πk(2j+1)/2N)``."""
+    k = torch.arange(n, dtype=F64)[:, None]
+    j = torch.arange(n, dtype=F64)[None, :]
+    m = torch.cos(math.pi * k * (2 * j + 1) / (2 * n)) * math.sqrt(2.0 / n)
+    m[0] /= math.sqrt(2.0)
+    return m
+
+
+def operator_matrix(apply, shape: tuple[int, int]) -> torch.Tensor:
+    """The dense matrix of a linear map on ``(1, 1, H, W)`` images, column by column."""
+    n = shape[0] * shape[1]
+    basis = torch.eye(n, dtype=F64).reshape(n, 1, *shape)
+    return torch.cat([apply(basis[i : i + 1]).reshape(-1, 1) for i in range(n)], dim=1)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (8, 6), (1, 3), (16, 9)])
+def test_dct2_is_the_orthonormal_dct_ii_and_idct2_inverts_it(shape: tuple[int, int]) -> None:
+    x = torch.randn(2, 3, *shape, dtype=F64)
+    expected = dct_matrix(shape[0]) @ x @ dct_matrix(shape[1]).T
+    torch.testing.assert_close(dct2(x), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(idct2(dct2(x)), x, rtol=0, atol=1e-12)
+
+
+def test_symmetric_border_convolution_is_diagonalised_by_the_dct() -> None:
+    taps = Kernel(profile="matern52", lengthscale=1.5, radius=3).filter(F64)
+    shape = (9, 7)
+    conv_matrix = operator_matrix(lambda x: conv(x, taps[None, None], "symmetric"), shape)
+    basis = torch.kron(dct_matrix(shape[0]), dct_matrix(shape[1]))
+    diagonal = basis @ conv_matrix @ basis.T
+    torch.testing.assert_close(diagonal, torch.diag(dct_symbol(taps, shape).reshape(-1)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(conv_matrix, conv_matrix.T, rtol=0, atol=1e-12)
+
+
+def test_circular_convolution_symbol_is_its_spectrum() -> None:
+    taps = Kernel(lengthscale=1.2, radius=2).filter(F64)
+    shape = (8, 6)
+    conv_matrix = operator_matrix(lambda x: conv(x, taps[None, None], "circular"), shape)
+    spectrum = torch.linalg.eigvalsh(conv_matrix).sort().values
+    symbol = dft_symbol(taps, shape)
+    full = torch.cat([symbol, symbol[:, 1 : (shape[1] + 1) // 2].flip(-1)], dim=-1)
+    torch.testing.assert_close(spectrum, full.reshape(-1).sort().values, rtol=0, atol=1e-12)
+
+
+def gaussian_layer(taps: torch.Tensor, lam: torch.Tensor, padding: str) -> KGLMDEQ:
+    bank = taps[None, None]
+    inv = 1.0 / lam
+    return KGLMDEQ(
+        Gaussian(),
+        GaussianPrior(),
+        ScaledConv(bank, -inv, padding),
+        ScaledConv(bank, inv, padding),
+        None,
+        ScaledConv(bank, -inv, padding),
+        ScaledConv(bank, inv, padding),
+    )
+
+
+@pytest.mark.parametrize("padding", ["symmetric", "circular", "zeros", "reflect"])
+@pytest.mark.parametrize("mean", ["global", "varying"])
+def test_linear_solve_equals_the_dense_solve_and_the_anderson_deq(padding: str, mean: str) -> None:
+    """The fast path (transform or PCG) meets ``(I − W1) z = W2 t + m`` solved densely, and the
+    generic DEQ path with Anderson on the same layer."""
+    gen = torch.Generator().manual_seed(3)
+    taps = Kernel(profile="se", lengthscale=1.5, radius=3).filter(F64)
+    y = torch.rand(2, 3, 12, 10, dtype=F64, generator=gen)
+    m = (
+        y.mean(dim=(2, 3), keepdim=True).expand_as(y)
+        if mean == "global"
+        else torch.rand(y.shape, generator=gen, dtype=F64)
+    )
+    lam = torch.tensor([0.5, 2.0], dtype=F64)
+    layer = gaussian_layer(taps, lam, padding)
+    with torch.inference_mode():
+        fast = layer(y, mean=m, solver=SolverConfig(method="cg", tol=1e-12, max_iter=500))
+        deq = layer(y, mean=m, solver=SolverConfig(method="anderson", tol=1e-12, max_iter=500))
+    conv_matrix = operator_matrix(lambda x: conv(x, taps[None, None], padding), (12, 10))
+    for b in range(2):
+        a = torch.eye(120, dtype=F64) + conv_matrix / lam[b]
+        rhs = (conv_matrix / lam[b]) @ y[b].reshape(3, -1).T + m[b].reshape(3, -1).T
+        z = torch.linalg.solve(a, rhs).T.reshape(3, 12, 10)
+        torch.testing.assert_close(fast.z[b], z, rtol=0, atol=1e-9)
+        torch.testing.assert_close(deq.z[b], z, rtol=0, atol=1e-9)
+    assert bool(fast.stats.converged.all())
+    torch.testing.assert_close(fast.eta, deq.eta, rtol=0, atol=1e-9)
+
+
+def test_transform_solve_takes_no_iterations_and_pcg_few() -> None:
+    taps = Kernel(profile="se", lengthscale=2.0, radius=5).filter(torch.float32)
+    y = torch.rand(1, 1, 64, 64)
+    lam = torch.tensor([0.2])
+    cfg = SolverConfig(method="cg", tol=1e-5)
+    with torch.inference_mode():
+        direct = gaussian_layer(taps, lam, "symmetric")(y, solver=cfg)
+        pcg = gaussian_layer(taps, lam, "zeros")(y, solver=cfg)
+        plain = gaussian_layer(taps, lam, "zeros")(y, solver=cfg.model_copy(update={"method": "anderson"}))
+    assert direct.stats.iterations.item() == 0 and bool(direct.stats.converged.all())
+    assert pcg.stats.iterations.item() * 3 <= plain.stats.iterations.item(), (pcg.stats, plain.stats)
+
+
+def test_linear_solve_with_a_mask_matches_the_dense_restricted_solve() -> None:
+    gen = torch.Generator().manual_seed(5)
+    taps = Kernel(profile="matern52", lengthscale=1.5, radius=2).filter(F64)
+    y = torch.rand(1, 1, 9, 8, dtype=F64, generator=gen)
+    mask = (torch.rand(1, 1, 9, 8, generator=gen) < 0.5).to(F64)
+    lam = torch.tensor([0.1], dtype=F64)
+    layer = gaussian_layer(taps, lam, "zeros")
+    with torch.inference_mode():
+        z, stats = solve_affine(
+            layer.w1, layer.w2, y, None, mask, torch.zeros_like(y), SolverConfig(method="cg", tol=1e-12)
+        )
+    conv_matrix = operator_matrix(lambda x: conv(x, taps[None, None], "zeros"), (9, 8))
+    d = torch.diag(mask.reshape(-1))
+    a = torch.eye(72, dtype=F64) + d @ conv_matrix @ d / lam
+    expected = torch.linalg.solve(a, d @ conv_matrix @ d @ y.reshape(-1) / lam)
+    torch.testing.assert_close(z.reshape(-1), expected, rtol=0, atol=1e-10)
+    assert bool(stats.converged.all())
