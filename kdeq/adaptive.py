@@ -71,13 +71,37 @@ def _radius(weights: torch.Tensor) -> int:
 Offsets = Sequence[tuple[int, int]]
 
 
-def _inside(height: int, width: int, offsets: Offsets, device: torch.device) -> torch.Tensor:
-    """``1[x + o ∈ image]`` ``(len(offsets), H, W)`` as bool."""
-    rows = torch.arange(height, device=device).reshape(1, height, 1)
-    cols = torch.arange(width, device=device).reshape(1, 1, width)
-    a = torch.tensor([o[0] for o in offsets], device=device).reshape(-1, 1, 1)
-    b = torch.tensor([o[1] for o in offsets], device=device).reshape(-1, 1, 1)
-    return (rows + a >= 0) & (rows + a < height) & (cols + b >= 0) & (cols + b < width)
+Sizes = Sequence[tuple[int, int]]
+
+
+def _inside(
+    shape: tuple[int, int], offsets: Offsets, device: torch.device, sizes: Sizes | None = None
+) -> torch.Tensor:
+    """``1[x ∈ image and x + o ∈ image]`` as bool, ``(len(offsets), H, W)``; with ``sizes`` (each
+    image's ``(h, w)`` in the top-left corner of the ``H×W`` batch) ``(B, len(offsets), H, W)``."""
+    height, width = shape
+    rows = torch.arange(height, device=device).reshape(1, 1, height, 1)
+    cols = torch.arange(width, device=device).reshape(1, 1, 1, width)
+    a = torch.tensor([o[0] for o in offsets], device=device).reshape(1, -1, 1, 1)
+    b = torch.tensor([o[1] for o in offsets], device=device).reshape(1, -1, 1, 1)
+    if sizes is None:
+        h = torch.tensor([[[[height]]]], device=device)
+        w = torch.tensor([[[[width]]]], device=device)
+    else:
+        h = torch.tensor([s[0] for s in sizes], device=device).reshape(-1, 1, 1, 1)
+        w = torch.tensor([s[1] for s in sizes], device=device).reshape(-1, 1, 1, 1)
+    inside = (rows < h) & (cols < w) & (rows + a >= 0) & (rows + a < h) & (cols + b >= 0) & (cols + b < w)
+    return inside if sizes is not None else inside[0]
+
+
+def _pad_each(guide: torch.Tensor, p: int, sizes: Sizes | None) -> torch.Tensor:
+    """Each image mirrored by ``p`` at its own borders, in a zero ``(B, c, H+2p, W+2p)`` batch."""
+    if sizes is None:
+        return mirror_pad(guide, p)
+    out = guide.new_zeros(*guide.shape[:2], guide.shape[-2] + 2 * p, guide.shape[-1] + 2 * p)
+    for k, (h, w) in enumerate(sizes):
+        out[k, :, : h + 2 * p, : w + 2 * p] = mirror_pad(guide[k : k + 1, :, :h, :w], p)[0]
+    return out
 
 
 def guided_weights(
@@ -86,13 +110,17 @@ def guided_weights(
     patch_radius: int,
     h2: torch.Tensor,
     offsets: Offsets | None = None,
+    sizes: Sizes | None = None,
 ) -> torch.Tensor:
     """Weight maps ``w_o(x) = k_s(o)·exp(−‖g(x) − g(x+o)‖²/2h²)`` ``(B, O, H, W)``, unnormalised.
 
     ``guide`` ``(B, c, H, W)``; ``spatial`` the taps ``k_s(o)`` ``(2R+1, 2R+1)``
     centred at ``(R, R)`` and point-symmetric; ``h2`` ``(B,)``; ``offsets`` a
     part of the half set (default all of it; ``O`` is its length), so that a
-    large image can be processed a part at a time.
+    large image can be processed a part at a time. ``sizes``: each image's
+    ``(h, w)`` when the batch holds smaller images in its top-left corners,
+    padded; every weight touching the padding is 0 and each image's weights
+    are those it has alone (its guide is mirrored at its own borders).
 
     The patch distance is a box sum of per-pixel squared differences. Offsets
     are processed a few at a time so that the temporaries stay in cache.
@@ -100,7 +128,7 @@ def guided_weights(
     bsz, _, height, width = guide.shape
     r, p = spatial.shape[0] // 2, patch_radius
     chosen = half_offsets(r) if offsets is None else list(offsets)
-    padded = mirror_pad(guide, p)
+    padded = _pad_each(guide, p, sizes)
     src = F.pad(padded, (r, r, r, r))
     hp, wp = padded.shape[-2:]
     inv = (-0.5 / h2.clamp(min=torch.finfo(guide.dtype).tiny)).reshape(bsz, 1, 1, 1)
@@ -118,7 +146,7 @@ def guided_weights(
         taps = torch.stack([spatial[r + a, r + b] for a, b in part]).reshape(1, -1, 1, 1)
         # e^-60 is far below float32 resolution next to the centre weight; cutting there keeps
         # the weights out of subnormal range, where exp and every later product are ~10× slower
-        keep = (arg > _CUTOFF) & _inside(height, width, part, guide.device)
+        keep = (arg > _CUTOFF) & _inside((height, width), part, guide.device, sizes)
         out[:, start : start + len(part)] = torch.exp(arg.clamp(min=_CUTOFF)) * (taps * keep)
     return out
 
@@ -170,12 +198,12 @@ WEIGHT_BUDGET = 1 << 30
 class GuidedOperator:
     """``K̃``: ``K`` or ``D^{-1/2} K D^{-1/2}`` (``d = K1``) of a batch of guides, as an operator.
 
-    One offset's weight map holds ``B·H·W`` numbers, and making it takes about
-    four times that at the padded size. When the ``O`` maps fit in ``budget``
-    bytes they are made once and kept; otherwise they are remade at every
+    One offset's weight map holds ``B·H·W`` numbers (the temporaries that make
+    them are a few maps at a time). When the ``O`` maps fit in ``budget`` bytes
+    they are made once and kept; otherwise they are remade at every
     application, in parts of as many offsets as fit, so a solve's memory stays
     within the budget whatever the image size, at the price of recomputing the
-    weights. Both give the same ``K̃``.
+    weights. Both give the same ``K̃``. ``sizes`` as in ``guided_weights``.
 
     Attributes:
         degree: ``d = K1`` ``(B, 1, H, W)`` of the unnormalised kernel.
@@ -190,15 +218,15 @@ class GuidedOperator:
         h2: torch.Tensor,
         normalize: bool,
         budget: int = WEIGHT_BUDGET,
+        sizes: Sizes | None = None,
     ) -> None:
         self._args = (guide, spatial, patch_radius, h2)
+        self._sizes = sizes
         offsets = half_offsets(spatial.shape[0] // 2)
-        bsz, _, height, width = guide.shape
-        pad = 2 * patch_radius
-        per_offset = 4 * bsz * (height + pad) * (width + pad) * guide.element_size()
+        per_offset = guide.shape[0] * guide.shape[-2] * guide.shape[-1] * guide.element_size()
         size = max(1, min(len(offsets), budget // per_offset))
         self._parts = [offsets[i : i + size] for i in range(0, len(offsets), size)]
-        self._weights = guided_weights(*self._args) if len(self._parts) == 1 else None
+        self._weights = guided_weights(*self._args, sizes=sizes) if len(self._parts) == 1 else None
         self.degree = self.kernel(torch.ones_like(guide[:, :1]))
         self._scale = self.degree.clamp(min=torch.finfo(guide.dtype).tiny).rsqrt() if normalize else None
 
@@ -212,7 +240,7 @@ class GuidedOperator:
             return apply_weights(self._weights, x)
         out = torch.zeros_like(x)
         for part in self._parts:
-            out = out + apply_weights(guided_weights(*self._args, offsets=part), x, part)
+            out = out + apply_weights(guided_weights(*self._args, part, self._sizes), x, part)
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
 from kdeq.noise import estimate_sigma
-from kdeq.predictor import Prediction, Predictor, SolverOverride
+from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 
 
 class Denoiser(Predictor):
@@ -43,12 +43,23 @@ class Denoiser(Predictor):
         #: bytes the guided kernel's weight maps may take before they are recomputed per use
         self.weight_budget = WEIGHT_BUDGET
 
+    @property
+    def pads_exactly(self) -> bool:
+        arch = self.config.architecture
+        return isinstance(arch, GuidedArchitecture) or arch.padding == "zeros"
+
     def noise_level(
-        self, x: torch.Tensor, sigma: float | Sequence[float] | torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        sigma: float | Sequence[float] | torch.Tensor | None,
+        sizes: Sizes | None = None,
     ) -> torch.Tensor:
-        """``σ`` per sample in [0, 1] units ``(B,)``: from ``sigma`` (0–255 scale) or estimated."""
+        """``σ`` per sample in [0, 1] units ``(B,)``: from ``sigma`` (0–255 scale) or estimated
+        (from each image's own pixels when ``sizes`` are given)."""
         if sigma is None:
-            return estimate_sigma(x)
+            if sizes is None:
+                return estimate_sigma(x)
+            return torch.cat([estimate_sigma(x[k : k + 1, :, :h, :w]) for k, (h, w) in enumerate(sizes)])
         s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1)
         if s.numel() == 1:
             s = s.expand(x.shape[0])
@@ -63,30 +74,46 @@ class Denoiser(Predictor):
         images: torch.Tensor,
         sigma: float | Sequence[float] | torch.Tensor | None = None,
         solver: SolverOverride | None = None,
+        sizes: Sizes | None = None,
     ) -> Prediction:
-        """Denoise ``images`` ``(B, c, H, W)``; ``sigma`` on the 0–255 scale, scalar or ``(B,)``."""
+        """Denoise ``images`` ``(B, c, H, W)``; ``sigma`` on the 0–255 scale, scalar or ``(B,)``;
+        ``sizes`` each image's ``(h, w)`` in a padded batch (``kdeq.predictor``)."""
+        if sizes is not None and not self.pads_exactly:
+            raise ValueError(f"{self.name} cannot batch images of different sizes exactly")
         x = self.images(images)
-        s = self.noise_level(x, sigma)
+        valid = valid_region(x, sizes)
+        s = self.noise_level(x, sigma, sizes)
         rule = self.config.lam
         lam = self.lam(s)
         cfg = self.solver(solver)
         if isinstance(self.config.architecture, GuidedArchitecture):
             floor = rule.min_sigma / 255.0 if isinstance(rule, NoiseLambda) else 0.0
-            layer, mean = self._guided(x, s.clamp(min=floor), lam)
+            layer, mean = self._guided(x, s.clamp(min=floor), lam, sizes)
+            out = layer(x, mean=mean, mean_out=mean, solver=cfg)
         else:
-            layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x)
-        out = layer(x, mean=mean, mean_out=mean, solver=cfg)
+            layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x, valid)
+            out = layer(x, mean=mean, mean_out=mean, mask=valid, solver=cfg)
         return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
 
-    def _guided(self, x: torch.Tensor, s: torch.Tensor, lam: torch.Tensor) -> tuple[KGLMDEQ, torch.Tensor]:
+    def _guided(
+        self, x: torch.Tensor, s: torch.Tensor, lam: torch.Tensor, sizes: Sizes | None
+    ) -> tuple[KGLMDEQ, torch.Tensor]:
         arch = self.config.architecture
         kern = arch.kernel
         taps = self.tensors["smoothing"]
-        guide = separable_blur(x, taps)
+        guide = (
+            separable_blur(x, taps)
+            if sizes is None
+            else per_image(lambda v: separable_blur(v, taps), x, sizes)
+        )
         # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
         h2 = kern.h2(x.shape[1], s * taps.square().sum()) * self.bandwidth_scale**2
         op = GuidedOperator(
-            guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget
+            guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget, sizes
         )
-        mean = op.kernel(x) / op.degree if self.config.mean == "local" else self.mean(x)
+        if self.config.mean == "local":
+            # the padding has no kernel mass (d = 0) and keeps the mean 0
+            mean = op.kernel(x) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
+        else:
+            mean = self.mean(x, valid_region(x, sizes))
         return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s)), mean

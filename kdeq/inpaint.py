@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kdeq.families import Gaussian
-from kdeq.predictor import Prediction, Predictor, SolverOverride
+from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 
 
 class Inpainter(Predictor):
@@ -23,13 +23,24 @@ class Inpainter(Predictor):
 
     task = "inpaint"
 
+    @property
+    def pads_exactly(self) -> bool:
+        return self.config.architecture.padding == "zeros"
+
     def forward(
-        self, images: torch.Tensor, missing: torch.Tensor, solver: SolverOverride | None = None
+        self,
+        images: torch.Tensor,
+        missing: torch.Tensor,
+        solver: SolverOverride | None = None,
+        sizes: Sizes | None = None,
     ) -> Prediction:
-        """``images`` ``(B, c, H, W)``; ``missing`` ``(B, 1, H, W)`` or ``(B, H, W)``, non-zero = missing.
+        """``images`` ``(B, c, H, W)``; ``missing`` ``(B, 1, H, W)`` or ``(B, H, W)``, non-zero = missing;
+        ``sizes`` each image's ``(h, w)`` in a padded batch (``kdeq.predictor``).
 
         Values of ``images`` at missing pixels are ignored.
         """
+        if sizes is not None and not self.pads_exactly:
+            raise ValueError(f"{self.name} cannot batch images of different sizes exactly")
         x = self.images(images)
         miss = torch.as_tensor(missing, device=self.device)
         if miss.dim() == 3:
@@ -37,12 +48,20 @@ class Inpainter(Predictor):
         if miss.shape != (x.shape[0], 1, *x.shape[-2:]):
             raise ValueError(f"mask shape {tuple(miss.shape)} does not match the images {tuple(x.shape)}")
         observed = (miss == 0).to(torch.float32)
+        valid = valid_region(x, sizes)
+        if valid is not None:
+            observed = observed * valid
         empty = observed.sum(dim=(1, 2, 3)) == 0
         if bool(empty.any()):
             raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no observed pixels")
         y = x * observed
         lam = self.lam(torch.zeros(x.shape[0], device=self.device))
-        mean = self.mean(y, observed)
+        if sizes is None:
+            mean = self.mean(y, observed)
+        else:
+            # the mean's smoothing mirrors at each image's own borders, as it does unbatched
+            both = torch.cat([y, observed], dim=1)
+            mean = per_image(lambda v: self.mean(v[:, :-1], v[:, -1:]), both, sizes)
         out = self.conv_layer(Gaussian(), lam)(
             y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
         )

@@ -2,7 +2,11 @@
 
 A predictor is built from a validated checkpoint on a device and maps a batch
 of same-size images ``(B, c, H, W)`` (float, nominally in [0, 1]) to a
-``Prediction``: outputs plus per-sample solver statistics. ``forward`` is the
+``Prediction``: outputs plus per-sample solver statistics. Images of different
+sizes batch exactly where ``pads_exactly``: each is put in the top-left corner
+of a common ``H×W`` (``pad_images``), ``sizes`` says where, and the padding is
+unobserved — the kernel restricted to each image's pixels is the kernel the
+image has alone, so every result equals its unbatched one. ``forward`` is the
 differentiable computation (the trainer calls it with its tensors requiring
 gradients); ``predict`` runs it under ``torch.inference_mode()``. A per-call
 ``SolverOverride`` changes the tolerance or the iteration cap.
@@ -10,7 +14,7 @@ gradients); ``predict`` runs it under ``torch.inference_mode()``. A per-call
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,6 +61,47 @@ class Prediction:
     sigma: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
+
+
+Sizes = Sequence[tuple[int, int]]
+
+
+def pad_images(images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """``(c, h, w)`` images stacked into a zero ``(B, c, max h, max w)`` batch, each in the top-left
+    corner, with their sizes."""
+    if not images or len({im.shape[0] for im in images}) != 1:
+        raise ValueError("need one or more images with equal channel counts")
+    height = max(im.shape[-2] for im in images)
+    width = max(im.shape[-1] for im in images)
+    out = images[0].new_zeros(len(images), images[0].shape[0], height, width)
+    for k, im in enumerate(images):
+        out[k, :, : im.shape[-2], : im.shape[-1]] = im
+    return out, [(im.shape[-2], im.shape[-1]) for im in images]
+
+
+def valid_region(x: torch.Tensor, sizes: Sizes | None) -> torch.Tensor | None:
+    """``(B, 1, H, W)`` float, 1 on each image's own ``(h, w)`` pixels of the batch ``x``; ``None``
+    without ``sizes`` (every pixel is the image's)."""
+    if sizes is None:
+        return None
+    if len(sizes) != x.shape[0] or any(
+        not (2 <= h <= x.shape[-2] and 2 <= w <= x.shape[-1]) for h, w in sizes
+    ):
+        raise ValueError(f"sizes {list(sizes)} do not fit a batch of shape {tuple(x.shape)}")
+    rows = torch.arange(x.shape[-2], device=x.device).reshape(1, 1, -1, 1)
+    cols = torch.arange(x.shape[-1], device=x.device).reshape(1, 1, 1, -1)
+    h = torch.tensor([s[0] for s in sizes], device=x.device).reshape(-1, 1, 1, 1)
+    w = torch.tensor([s[1] for s in sizes], device=x.device).reshape(-1, 1, 1, 1)
+    return ((rows < h) & (cols < w)).to(x.dtype)
+
+
+def per_image(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sizes: Sizes) -> torch.Tensor:
+    """``fn`` applied to each image's own pixels ``(1, c, h, w)``, results padded back with zeros."""
+    parts = [fn(x[k : k + 1, :, :h, :w])[0] for k, (h, w) in enumerate(sizes)]
+    out = parts[0].new_zeros(len(parts), parts[0].shape[0], *x.shape[-2:])
+    for k, (h, w) in enumerate(sizes):
+        out[k, :, :h, :w] = parts[k]
+    return out
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -107,6 +152,11 @@ class Predictor:
         """``forward`` (see the subclass for its arguments) without autograd."""
         with torch.inference_mode():
             return self.forward(*args, **kwargs)
+
+    @property
+    def pads_exactly(self) -> bool:
+        """Whether ``forward`` takes ``sizes`` (exact batching of different sizes, module docstring)."""
+        return False
 
     def lam(self, sigma: torch.Tensor) -> torch.Tensor:
         """``λ`` ``(B,)``: the checkpoint's rule at ``sigma`` ``(B,)`` (in [0, 1]) times ``lam_scale``."""

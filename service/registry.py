@@ -37,6 +37,11 @@ class ModelSlot:
     def task(self) -> str | None:
         return self.config.task if self.config is not None else None
 
+    @property
+    def pads_exactly(self) -> bool:
+        """Whether the model batches images of different sizes exactly (``kdeq.predictor``)."""
+        return any(p.pads_exactly for p in self.predictors.values())
+
 
 class ModelRegistry:
     """Resolves the configured model list against the repository at ``root``."""

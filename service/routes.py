@@ -176,7 +176,7 @@ async def _infer(
     job = Job(
         endpoint=endpoint,
         model=slot.id,
-        batch_key=task_input.batch_key(slot.id),
+        batch_key=task_input.batch_key(slot.id, slot.pads_exactly),
         payload=task_input,
         pixels=h * w,
         deadline=start + svc.settings.request_timeout_seconds,

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from kdeq.predictor import Predictor, SolverOverride
+from kdeq.predictor import Predictor, SolverOverride, pad_images
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,13 @@ class TaskInput:
     output: Literal["mask", "probability"] = "mask"
     solver: SolverOverride | None = None
 
-    def batch_key(self, model: str) -> Hashable:
-        """Requests with equal keys can be solved in one ``predict`` call."""
-        return (model, tuple(self.image.shape), self.sigma is None, self.threshold, self.solver)
+    def batch_key(self, model: str, pads_exactly: bool = False) -> Hashable:
+        """Requests with equal keys can be solved in one ``predict`` call. For a model that
+        ``pads_exactly`` images share a key when each side has the same bit length (``solve_batch``
+        pads them), so padding at most quadruples a batch's pixels."""
+        c, h, w = self.image.shape
+        shape = (c, h.bit_length(), w.bit_length()) if pads_exactly else (c, h, w)
+        return (model, shape, self.sigma is None, self.threshold, self.solver)
 
 
 @dataclass(frozen=True)
@@ -66,15 +70,18 @@ class Solved:
 
 
 def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solved]:
-    """Solve compatible ``inputs`` (equal ``batch_key``) in one ``predict`` call."""
+    """Solve compatible ``inputs`` (equal ``batch_key``) in one ``predict`` call; images of different
+    sizes are padded to a common one (``kdeq.predictor.pad_images``) and cropped back."""
     first = inputs[0]
-    images = torch.from_numpy(np.stack([i.image for i in inputs]))
+    uniform = len({i.image.shape for i in inputs}) == 1
+    images, sizes = pad_images([torch.from_numpy(i.image) for i in inputs])
+    extra = {} if uniform else {"sizes": sizes}
     if predictor.task == "denoise":
         sigma = None if first.sigma is None else [i.sigma for i in inputs]
-        pred = predictor.predict(images, sigma=sigma, solver=first.solver)
+        pred = predictor.predict(images, sigma=sigma, solver=first.solver, **extra)
     elif predictor.task == "inpaint":
-        missing = torch.from_numpy(np.stack([i.missing for i in inputs]))
-        pred = predictor.predict(images, missing, solver=first.solver)
+        missing, _ = pad_images([torch.from_numpy(i.missing) for i in inputs])
+        pred = predictor.predict(images, missing, solver=first.solver, **extra)
     else:
         pred = predictor.predict(images, threshold=first.threshold, solver=first.solver)
     output = pred.output.float().cpu().numpy()
@@ -92,6 +99,7 @@ def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solve
     solved = []
     for b, item in enumerate(inputs):
         out = mask[b] if mask is not None and item.output == "mask" else output[b]
+        out = out[:, : sizes[b][0], : sizes[b][1]]
         solved.append(
             Solved(
                 out,

@@ -1,0 +1,297 @@
+"""Speed of the solve paths, side by side: models against classical denoisers, the linear path against
+its transform floor, the guided kernel's memory, and (on CUDA) throughput by batch size.
+
+    .venv-bench/bin/python bench/speed.py [--seed 0] [--images 3] [--no-bm3d] [--sections ...]
+
+Sections (all by default; each prints a Markdown table):
+
+- ``models``: seconds per image and PSNR at 256² and 512², grey (Set12 01–07 are 256², 08–12
+  512²) and colour (top-left crops of Kodak24), σ = 25 noise seeded per image, σ given to every
+  method; kdeq's default denoiser also with σ estimated. Baselines from ``bench/baselines.py``
+  (scikit-image and OpenCV non-local means, PyPI ``bm3d``), run in this process on the same inputs.
+- ``linear``: the linear Gaussian model's solve (``kdeq.linear``) ÷ one forward + inverse
+  transform of the same size, for the DCT path (symmetric border), preconditioned CG (zero
+  border) and the generic CG on the fixed-point map that both replace.
+- ``memory``: peak resident memory per megapixel of the default (guided) denoiser, each size in
+  a fresh process, with the default weight budget and a 128 MiB one.
+- ``cuda``: images/s at batch 1…64, p50 latency at batch 1 and GPU memory per megapixel; skipped
+  (and said so) when this machine has no CUDA device.
+
+Times are the best of ``--repeat`` runs after a warm-up, with torch's default threads. Needs
+``../shared/data`` for the ``models`` section and the benchmark environment (scikit-image,
+opencv-python-headless, bm3d); they are benchmark references only, never dependencies of kdeq.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kdeq.checkpoint import load_checkpoint  # noqa: E402
+from kdeq.conv import ScaledConv  # noqa: E402
+from kdeq.deq import KGLMDEQ  # noqa: E402
+from kdeq.families import Gaussian  # noqa: E402
+from kdeq.implicit import equilibrium  # noqa: E402
+from kdeq.linear import solve_affine  # noqa: E402
+from kdeq.priors import GaussianPrior  # noqa: E402
+from kdeq.repository import default_models_dir, find_model, load_predictor  # noqa: E402
+from kdeq.transforms import dct2, idct2  # noqa: E402
+
+SIGMA = 25.0
+
+
+def best_time(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def test_sets(images: int) -> dict[str, list[np.ndarray]]:
+    import baselines as B
+
+    set12 = [img for _, img in B.load_set("Set12")]
+    kodak = [img for _, img in B.load_set("Kodak24", limit=images)]
+    return {
+        "grey 256²": [im for im in set12 if im.shape == (256, 256)][:images],
+        "grey 512²": [im for im in set12 if im.shape == (512, 512)][:images],
+        "colour 256²": [im[:256, :256] for im in kodak],
+        "colour 512²": [im[:512, :512] for im in kodak],
+    }
+
+
+def section_models(args: argparse.Namespace) -> None:
+    import baselines as B
+
+    models = default_models_dir()
+    default = load_predictor(find_model(models, "denoise-kglm"), "cpu")
+    stationary = load_predictor(find_model(models, "denoise-stationary-kglm"), "cpu")
+
+    def kdeq_method(predictor, known: bool):
+        def run(noisy: np.ndarray) -> np.ndarray:
+            x = torch.from_numpy(noisy.astype(np.float32))
+            x = x[None, None] if x.dim() == 2 else x.permute(2, 0, 1)[None]
+            out = predictor.predict(x, sigma=SIGMA if known else None).output[0]
+            return (out[0] if out.shape[0] == 1 else out.permute(1, 2, 0)).numpy()
+
+        return run
+
+    methods: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = [
+        (f"kdeq {default.name} (σ given)", kdeq_method(default, True)),
+        (f"kdeq {default.name} (σ estimated)", kdeq_method(default, False)),
+        (f"kdeq {stationary.name} (σ given)", kdeq_method(stationary, True)),
+        ("scikit-image non-local means", lambda n: B.nlm_skimage(n, SIGMA)),
+        ("OpenCV non-local means", lambda n: B.nlm_opencv(n, SIGMA)),
+    ]
+    if not args.no_bm3d:
+        methods.append(("BM3D (PyPI bm3d)", lambda n: B.bm3d_denoise(n, SIGMA)))
+    print("\n### Seconds per image and PSNR (σ = 25)\n")
+    print("| images | method | s/img | PSNR (dB) | ÷ scikit-image NLM time | ÷ BM3D time |")
+    print("|---|---|---|---|---|---|")
+    for label, clean_set in test_sets(args.images).items():
+        noisy = [B.add_noise(im, SIGMA, args.seed + k) for k, im in enumerate(clean_set)]
+        rows = []
+        for name, method in methods:
+            method(noisy[0])  # warm-up
+            seconds, quality = 0.0, []
+            for clean, n in zip(clean_set, noisy, strict=True):
+                start = time.perf_counter()
+                out = method(n)
+                seconds += time.perf_counter() - start
+                quality.append(B.psnr(out, clean))
+            rows.append((name, seconds / len(noisy), float(np.mean(quality))))
+        nlm = next(t for n, t, _ in rows if n.startswith("scikit"))
+        bm3d = next((t for n, t, _ in rows if n.startswith("BM3D")), None)
+        for name, sec, q in rows:
+            vs_bm3d = f"{sec / bm3d:.3f}" if bm3d else "–"
+            print(f"| {label} ({len(noisy)}) | {name} | {sec:.3f} | {q:.2f} | {sec / nlm:.2f} | {vs_bm3d} |")
+
+
+def _layer(taps: torch.Tensor, lam: torch.Tensor, padding: str) -> KGLMDEQ:
+    bank, inv = taps[None, None], 1.0 / lam
+    return KGLMDEQ(
+        Gaussian(),
+        GaussianPrior(),
+        ScaledConv(bank, -inv, padding),
+        ScaledConv(bank, inv, padding),
+        None,
+        ScaledConv(bank, -inv, padding),
+        ScaledConv(bank, inv, padding),
+    )
+
+
+def section_linear(args: argparse.Namespace) -> None:
+    ckpt = load_checkpoint(find_model(default_models_dir(), "denoise-stationary-kglm", 1))
+    taps = ckpt.tensors["w1"][0, 0]
+    lam = ckpt.config.lam(torch.tensor([SIGMA / 255.0]))
+    cfg = ckpt.config.solver
+    gen = torch.Generator().manual_seed(args.seed)
+    print(
+        f"\n### Linear path ÷ transform floor (denoise-stationary-kglm:1 kernel, λ = {lam.item():.4f}, "
+        f"tol {cfg.tol:g})\n"
+    )
+    print(
+        "| size | one dct2 + idct2 (ms) | one rfft2 + irfft2 (ms) | path | solve (ms) | ÷ DCT floor "
+        "| ÷ FFT floor | iterations |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for size in (256, 512, 1024):
+        y = torch.rand(1, 1, size, size, generator=gen)
+        floor_dct, floor_fft, rows = _linear_rows(y, taps, lam, cfg, args.repeat)
+        for label, seconds, iters in rows:
+            print(
+                f"| {size}² | {floor_dct * 1e3:.2f} | {floor_fft * 1e3:.2f} | {label} | "
+                f"{seconds * 1e3:.2f} | {seconds / floor_dct:.2f} | {seconds / floor_fft:.2f} | {iters} |"
+            )
+
+
+def _linear_rows(
+    y: torch.Tensor, taps: torch.Tensor, lam: torch.Tensor, cfg, repeat: int
+) -> tuple[float, float, list[tuple[str, float, int]]]:
+    mean = y.mean(dim=(2, 3), keepdim=True).expand_as(y)
+    z0 = mean.clone()
+    rows = []
+    with torch.inference_mode():
+        floor_dct = best_time(lambda: idct2(dct2(y)), repeat)
+        floor_fft = best_time(lambda: torch.fft.irfft2(torch.fft.rfft2(y), s=y.shape[-2:]), repeat)
+        for label, padding in (("DCT, symmetric border", "symmetric"), ("PCG, zero border", "zeros")):
+            layer = _layer(taps, lam, padding)
+
+            def fast(layer: KGLMDEQ = layer):
+                return solve_affine(layer.w1, layer.w2, y, mean, None, z0, cfg)
+
+            rows.append((label, best_time(fast, repeat), fast()[1].iterations.item()))
+        generic = _layer(taps, lam, "zeros")
+
+        def cell_cg():
+            return equilibrium(lambda v: generic.cell(v, y, mean), z0, cfg)
+
+        rows.append(
+            (
+                "generic CG on f, zero border (before)",
+                best_time(cell_cg, repeat),
+                cell_cg()[1].iterations.item(),
+            )
+        )
+    return floor_dct, floor_fft, rows
+
+
+MEMORY_PROBE = """
+import resource, sys, time, torch
+from kdeq.repository import default_models_dir, find_model, load_predictor
+size, budget = int(sys.argv[1]), int(sys.argv[2])
+model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cpu")
+model.weight_budget = budget
+x = torch.rand(1, 1, size, size, generator=torch.Generator().manual_seed(0))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+model.predict(x, sigma=25.0)
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(base * 1024, peak * 1024, seconds)
+"""
+
+
+def section_memory(args: argparse.Namespace) -> None:
+    print(
+        "\n### Guided denoiser: peak memory above the loaded model, per megapixel (fresh process per row)\n"
+    )
+    print("| size | weight budget | weights kept? | peak − baseline (MiB) | MiB per MP | seconds |")
+    print("|---|---|---|---|---|---|")
+    for size in (512, 1024, 2048):
+        for budget in (1 << 30, 128 << 20):
+            out = subprocess.run(
+                [sys.executable, "-c", MEMORY_PROBE, str(size), str(budget)],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=ROOT,
+            ).stdout.split()
+            base, peak, seconds = int(out[0]), int(out[1]), float(out[2])
+            kept = 113 * size * size * 4 <= budget
+            mib = (peak - base) / 2**20
+            print(
+                f"| {size}² | {budget >> 20} MiB | {'yes' if kept else 'no, recomputed'} | {mib:.0f} | "
+                f"{mib / (size * size / 1e6):.0f} | {seconds:.2f} |"
+            )
+
+
+def section_cuda(args: argparse.Namespace) -> None:
+    if not torch.cuda.is_available():
+        print("\n### CUDA\n\nNo CUDA device on this machine: section not run.")
+        return
+    device = torch.device("cuda")
+    model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), device)
+    print(f"\n### CUDA: {torch.cuda.get_device_name(device)}, denoise-kglm, σ given\n")
+    print("| size | batch | images/s | ÷ batch 1 | p50 ms per batch | GPU MiB per MP |")
+    print("|---|---|---|---|---|---|")
+    for size in (256, 512):
+        single = None
+        for batch in (1, 2, 4, 8, 16, 32, 64):
+            x = torch.rand(batch, 1, size, size, generator=torch.Generator().manual_seed(0)).pin_memory()
+            torch.cuda.reset_peak_memory_stats(device)
+            times = []
+            for _ in range(args.repeat + 1):
+                torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                model.predict(x, sigma=SIGMA).output.cpu()
+                times.append(time.perf_counter() - start)
+            p50 = float(np.median(times[1:]))
+            rate = batch / p50
+            single = single or rate
+            mib = torch.cuda.max_memory_allocated(device) / 2**20 / (batch * size * size / 1e6)
+            print(f"| {size}² | {batch} | {rate:.1f} | {rate / single:.2f} | {p50 * 1e3:.1f} | {mib:.0f} |")
+
+
+SECTIONS = {
+    "models": section_models,
+    "linear": section_linear,
+    "memory": section_memory,
+    "cuda": section_cuda,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--images", type=int, default=3, help="images per set in the models section")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--no-bm3d", action="store_true")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    args = parser.parse_args()
+    print(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "cpus": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                "seed": args.seed,
+                "command": " ".join(sys.argv),
+            }
+        )
+    )
+    for name in args.sections:
+        SECTIONS[name](args)
+
+
+if __name__ == "__main__":
+    main()
