@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kdeq.checkpoint import load_checkpoint  # noqa: E402
-from kdeq.conv import ScaledConv  # noqa: E402
 from kdeq.deq import KGLMDEQ  # noqa: E402
 from kdeq.families import Gaussian  # noqa: E402
 from kdeq.implicit import equilibrium  # noqa: E402
+from kdeq.kglm import conv_deq  # noqa: E402
 from kdeq.linear import solve_affine  # noqa: E402
 from kdeq.priors import GaussianPrior  # noqa: E402
 from kdeq.repository import default_models_dir, find_model, load_predictor  # noqa: E402
@@ -123,27 +123,14 @@ def section_models(args: argparse.Namespace) -> None:
             print(f"| {label} ({len(noisy)}) | {name} | {sec:.3f} | {q:.2f} | {sec / nlm:.2f} | {vs_bm3d} |")
 
 
-def _layer(taps: torch.Tensor, lam: torch.Tensor, padding: str) -> KGLMDEQ:
-    bank, inv = taps[None, None], 1.0 / lam
-    return KGLMDEQ(
-        Gaussian(),
-        GaussianPrior(),
-        ScaledConv(bank, -inv, padding),
-        ScaledConv(bank, inv, padding),
-        None,
-        ScaledConv(bank, -inv, padding),
-        ScaledConv(bank, inv, padding),
-    )
-
-
 def section_linear(args: argparse.Namespace) -> None:
     ckpt = load_checkpoint(find_model(default_models_dir(), "denoise-stationary-kglm", 1))
     taps = ckpt.tensors["w1"][0, 0]
-    lam = ckpt.config.lam(torch.tensor([SIGMA / 255.0]))
+    lam = ckpt.config.lam(torch.tensor([SIGMA / 255.0])).item()
     cfg = ckpt.config.solver
     gen = torch.Generator().manual_seed(args.seed)
     print(
-        f"\n### Linear path ÷ transform floor (denoise-stationary-kglm:1 kernel, λ = {lam.item():.4f}, "
+        f"\n### Linear path ÷ transform floor (denoise-stationary-kglm:1 kernel, λ = {lam:.4f}, "
         f"tol {cfg.tol:g})\n"
     )
     print(
@@ -162,7 +149,7 @@ def section_linear(args: argparse.Namespace) -> None:
 
 
 def _linear_rows(
-    y: torch.Tensor, taps: torch.Tensor, lam: torch.Tensor, cfg, repeat: int
+    y: torch.Tensor, taps: torch.Tensor, lam: float, cfg, repeat: int
 ) -> tuple[float, float, list[tuple[str, float, int]]]:
     mean = y.mean(dim=(2, 3), keepdim=True).expand_as(y)
     z0 = mean.clone()
@@ -171,13 +158,13 @@ def _linear_rows(
         floor_dct = best_time(lambda: idct2(dct2(y)), repeat)
         floor_fft = best_time(lambda: torch.fft.irfft2(torch.fft.rfft2(y), s=y.shape[-2:]), repeat)
         for label, padding in (("DCT, symmetric border", "symmetric"), ("PCG, zero border", "zeros")):
-            layer = _layer(taps, lam, padding)
+            layer = conv_deq(Gaussian(), GaussianPrior(), taps[None, None], lam, padding)
 
             def fast(layer: KGLMDEQ = layer):
                 return solve_affine(layer.w1, layer.w2, y, mean, None, z0, cfg)
 
             rows.append((label, best_time(fast, repeat), fast()[1].iterations.item()))
-        generic = _layer(taps, lam, "zeros")
+        generic = conv_deq(Gaussian(), GaussianPrior(), taps[None, None], lam, "zeros")
 
         def cell_cg():
             return equilibrium(lambda v: generic.cell(v, y, mean), z0, cfg)

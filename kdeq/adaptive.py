@@ -70,7 +70,7 @@ def _radius(weights: torch.Tensor) -> int:
 
 Offsets = Sequence[tuple[int, int]]
 
-
+#: each image's ``(h, w)`` in the top-left corner of a padded batch (``kdeq.predictor``)
 Sizes = Sequence[tuple[int, int]]
 
 

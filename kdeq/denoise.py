@@ -88,7 +88,7 @@ class Denoiser(Predictor):
         cfg = self.solver(solver)
         if isinstance(self.config.architecture, GuidedArchitecture):
             floor = rule.min_sigma / 255.0 if isinstance(rule, NoiseLambda) else 0.0
-            layer, mean = self._guided(x, s.clamp(min=floor), lam, sizes)
+            layer, mean = self._guided(x, s.clamp(min=floor), lam, sizes, valid)
             out = layer(x, mean=mean, mean_out=mean, solver=cfg)
         else:
             layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x, valid)
@@ -96,7 +96,12 @@ class Denoiser(Predictor):
         return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
 
     def _guided(
-        self, x: torch.Tensor, s: torch.Tensor, lam: torch.Tensor, sizes: Sizes | None
+        self,
+        x: torch.Tensor,
+        s: torch.Tensor,
+        lam: torch.Tensor,
+        sizes: Sizes | None,
+        valid: torch.Tensor | None,
     ) -> tuple[KGLMDEQ, torch.Tensor]:
         arch = self.config.architecture
         kern = arch.kernel
@@ -115,5 +120,5 @@ class Denoiser(Predictor):
             # the padding has no kernel mass (d = 0) and keeps the mean 0
             mean = op.kernel(x) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
         else:
-            mean = self.mean(x, valid_region(x, sizes))
+            mean = self.mean(x, valid)
         return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s)), mean

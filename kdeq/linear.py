@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kdeq.conv import Stationary
-from kdeq.solvers import SolverConfig, SolverStats, _bdot, _expand, _rel_residual, _Tracker
+from kdeq.solvers import SolverConfig, SolverStats, linear_cg
 from kdeq.transforms import dct2, dct_symbol, dft_symbol, idct2, is_axis_even
 
 
@@ -128,57 +128,6 @@ def symmetric_preconditioner(w1: Stationary, size: tuple[int, int]) -> Callable[
     return lambda r: idct2(dct2(r) / denom)
 
 
-def conjugate_gradient(
-    apply_a: Callable[[torch.Tensor], torch.Tensor],
-    b: torch.Tensor,
-    z0: torch.Tensor,
-    config: SolverConfig,
-    precondition: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, SolverStats]:
-    """Preconditioned CG on ``A z = b`` per sample from ``z0`` ``(B, …)``; ``A`` and ``P⁻¹`` SPD.
-
-    As in ``kdeq.solvers.conjugate_gradient`` the recursive residual is checked
-    against the true one ``b − Az`` when a sample stops, and a sample whose
-    true residual is above ``tol`` restarts from its best iterate while its
-    iteration budget lasts; a non-positive curvature ``pᵀAp`` stops a sample.
-    """
-    identity = precondition is None
-    tiny = torch.finfo(z0.dtype).tiny
-    z = z0
-    r = b - apply_a(z0)
-    track = _Tracker(z, z + r, config)
-    step = 0
-    while True:
-        y = r if identity else precondition(r)
-        p = y.clone()
-        ry = _bdot(r, y)
-        while step < config.max_iter:
-            step += 1
-            ap = apply_a(p)
-            pap = _bdot(p, ap)
-            ok = track.active & (pap > 0) & torch.isfinite(pap)
-            track.active = ok
-            a = torch.where(ok, ry / pap.clamp(min=tiny), 0.0)
-            z = z + _expand(a, z) * p
-            r = r - _expand(a, r) * ap
-            if track.update(step, z, z + r):
-                break
-            y = r if identity else precondition(r)
-            ry_new = _bdot(r, y)
-            beta = torch.where(ok, ry_new / ry.clamp(min=tiny), 0.0)
-            p = y + _expand(beta, p) * p
-            ry = torch.where(ok, ry_new, ry)
-        z = track.best
-        r = b - apply_a(z)
-        true_res = _rel_residual(z + r, z, config.atol).nan_to_num(nan=torch.inf)
-        track.best_res = true_res
-        retry = (true_res > config.tol) & torch.isfinite(true_res) & (track.iterations < config.max_iter)
-        if step >= config.max_iter or not bool(retry.any()):
-            break
-        track.active = retry
-    return track.result()
-
-
 def solve_affine(
     w1: torch.nn.Module,
     w2: torch.nn.Module,
@@ -208,4 +157,4 @@ def solve_affine(
     precondition = None
     if mask is None and s1 is not None and min(t.shape[-2:]) > s1.taps.shape[-1] // 2:
         precondition = symmetric_preconditioner(s1, tuple(t.shape[-2:]))
-    return conjugate_gradient(apply_a, b, z0, config, precondition)
+    return linear_cg(apply_a, b, z0, config, precondition)

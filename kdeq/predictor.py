@@ -22,6 +22,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from kdeq.adaptive import Sizes
 from kdeq.checkpoint import Checkpoint, ConvArchitecture, ModelConfig
 from kdeq.conv import ScaledConv
 from kdeq.deq import KGLMDEQ
@@ -61,9 +62,6 @@ class Prediction:
     sigma: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
-
-
-Sizes = Sequence[tuple[int, int]]
 
 
 def pad_images(images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:

@@ -190,51 +190,71 @@ def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tens
     return track.result()
 
 
-def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
-    """Conjugate gradients on ``A z = b`` with ``A z = z − f(z) + f(0)`` and ``b = f(0)``.
+def linear_cg(
+    apply_a: Callable[[torch.Tensor], torch.Tensor],
+    b: torch.Tensor,
+    z0: torch.Tensor,
+    config: SolverConfig,
+    precondition: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    residual: Map | None = None,
+) -> tuple[torch.Tensor, SolverStats]:
+    """Preconditioned CG on ``A z = b`` per sample from ``z0`` ``(B, …)``; ``A`` and ``P⁻¹`` SPD.
 
-    Valid when ``f`` is affine and ``I − ∂f`` is symmetric positive definite.
-    The CG residual ``b − Az`` is the fixed-point residual ``f(z) − z``, updated
+    ``b − Az`` is the fixed-point residual ``f(z) − z`` of ``f(z) = z − Az + b``
+    and is tracked as the other solvers track theirs. The CG residual is updated
     by recursion; in finite precision it drifts from the true one, so when the
     recursion says a sample has converged its true residual is computed, and a
     sample that has not truly converged restarts from its best iterate (while
     its iteration budget lasts). A sample whose curvature ``pᵀAp`` is not
-    positive stops (its best iterate stands).
+    positive stops (its best iterate stands). ``residual(z)`` computes the true
+    ``b − Az`` (default literally so; a caller holding ``f`` passes ``f(z) − z``,
+    which in float32 is not the same number when ``‖A‖`` is large).
     """
-    f0 = f(torch.zeros_like(z0))
-    z = z0
-    r = f(z0) - z0
-    track = _Tracker(z, z + r, config)
+    identity = precondition is None
     tiny = torch.finfo(z0.dtype).tiny
+    true_residual = residual or (lambda v: b - apply_a(v))
+    z = z0
+    r = true_residual(z0)
+    track = _Tracker(z, z + r, config)
     step = 0
     while True:
-        p = r.clone()
-        rr = _bdot(r, r)
+        y = r if identity else precondition(r)
+        p = y.clone()
+        ry = _bdot(r, y)
         while step < config.max_iter:
             step += 1
-            ap = p - (f(p) - f0)
+            ap = apply_a(p)
             pap = _bdot(p, ap)
             ok = track.active & (pap > 0) & torch.isfinite(pap)
             track.active = ok
-            a = torch.where(ok, rr / pap.clamp(min=tiny), 0.0)
+            a = torch.where(ok, ry / pap.clamp(min=tiny), 0.0)
             z = z + _expand(a, z) * p
             r = r - _expand(a, r) * ap
-            rr_new = _bdot(r, r)
-            b = torch.where(ok, rr_new / rr.clamp(min=tiny), 0.0)
-            p = r + _expand(b, p) * p
-            rr = torch.where(ok, rr_new, rr)
             if track.update(step, z, z + r):
                 break
+            y = r if identity else precondition(r)
+            ry_new = _bdot(r, y)
+            beta = torch.where(ok, ry_new / ry.clamp(min=tiny), 0.0)
+            p = y + _expand(beta, p) * p
+            ry = torch.where(ok, ry_new, ry)
         z = track.best
-        fz = f(z)
-        true_res = _rel_residual(fz, z, config.atol).nan_to_num(nan=torch.inf)
+        r = true_residual(z)
+        true_res = _rel_residual(z + r, z, config.atol).nan_to_num(nan=torch.inf)
         track.best_res = true_res
         retry = (true_res > config.tol) & torch.isfinite(true_res) & (track.iterations < config.max_iter)
         if step >= config.max_iter or not bool(retry.any()):
             break
         track.active = retry
-        r = fz - z
     return track.result()
+
+
+def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
+    """Conjugate gradients on ``A z = b`` with ``A z = z − f(z) + f(0)`` and ``b = f(0)`` (``linear_cg``).
+
+    Valid when ``f`` is affine and ``I − ∂f`` is symmetric positive definite.
+    """
+    f0 = f(torch.zeros_like(z0))
+    return linear_cg(lambda p: p - (f(p) - f0), f0, z0, config, residual=lambda v: f(v) - v)
 
 
 Solver = Callable[[Map, torch.Tensor, SolverConfig], tuple[torch.Tensor, SolverStats]]
