@@ -74,24 +74,17 @@ Offsets = Sequence[tuple[int, int]]
 Sizes = Sequence[tuple[int, int]]
 
 
-def _inside(
-    shape: tuple[int, int], offsets: Offsets, device: torch.device, sizes: Sizes | None = None
-) -> torch.Tensor:
-    """``1[x ∈ image and x + o ∈ image]`` as bool, ``(len(offsets), H, W)``; with ``sizes`` (each
-    image's ``(h, w)`` in the top-left corner of the ``H×W`` batch) ``(B, len(offsets), H, W)``."""
+def _inside(shape: tuple[int, int], offsets: Offsets, device: torch.device, sizes: Sizes) -> torch.Tensor:
+    """``1[x ∈ image and x + o ∈ image]`` as bool ``(B, len(offsets), H, W)``, each image's ``(h, w)``
+    (``sizes``) in the top-left corner of the ``H×W`` batch."""
     height, width = shape
     rows = torch.arange(height, device=device).reshape(1, 1, height, 1)
     cols = torch.arange(width, device=device).reshape(1, 1, 1, width)
     a = torch.tensor([o[0] for o in offsets], device=device).reshape(1, -1, 1, 1)
     b = torch.tensor([o[1] for o in offsets], device=device).reshape(1, -1, 1, 1)
-    if sizes is None:
-        h = torch.tensor([[[[height]]]], device=device)
-        w = torch.tensor([[[[width]]]], device=device)
-    else:
-        h = torch.tensor([s[0] for s in sizes], device=device).reshape(-1, 1, 1, 1)
-        w = torch.tensor([s[1] for s in sizes], device=device).reshape(-1, 1, 1, 1)
-    inside = (rows < h) & (cols < w) & (rows + a >= 0) & (rows + a < h) & (cols + b >= 0) & (cols + b < w)
-    return inside if sizes is not None else inside[0]
+    h = torch.tensor([s[0] for s in sizes], device=device).reshape(-1, 1, 1, 1)
+    w = torch.tensor([s[1] for s in sizes], device=device).reshape(-1, 1, 1, 1)
+    return (rows < h) & (cols < w) & (rows + a >= 0) & (rows + a < h) & (cols + b >= 0) & (cols + b < w)
 
 
 def _pad_each(guide: torch.Tensor, p: int, sizes: Sizes | None) -> torch.Tensor:
@@ -123,36 +116,72 @@ def guided_weights(
     are those it has alone (its guide is mirrored at its own borders).
 
     The patch distance is a box sum of per-pixel squared differences. Offsets
-    are processed a few at a time so that the temporaries stay in cache.
+    are processed a few at a time. Without autograd every step runs in place in
+    a scratch buffer or in the output: fresh temporaries of this size cost
+    page faults and memory traffic, not arithmetic.
     """
-    bsz, _, height, width = guide.shape
+    bsz, c, height, width = guide.shape
     r, p = spatial.shape[0] // 2, patch_radius
     chosen = half_offsets(r) if offsets is None else list(offsets)
     padded = _pad_each(guide, p, sizes)
     src = F.pad(padded, (r, r, r, r))
     hp, wp = padded.shape[-2:]
     inv = (-0.5 / h2.clamp(min=torch.finfo(guide.dtype).tiny)).reshape(bsz, 1, 1, 1)
+    taps = torch.stack([spatial[r + a, r + b] for a, b in chosen])
     out = torch.empty(bsz, len(chosen), height, width, dtype=guide.dtype, device=guide.device)
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (guide, spatial, h2)))
+    sq = guide.new_empty(bsz, _CHUNK, hp, wp) if inplace else None
+    diff = guide.new_empty(bsz, c, hp, wp) if inplace and c > 1 else None
+
+    def shifted(a: int, b: int) -> torch.Tensor:
+        return src[..., r + a : r + a + hp, r + b : r + b + wp]
+
+    def box(dist: torch.Tensor) -> torch.Tensor:
+        return _window_sum(_window_sum(dist, 2 * p + 1, -1), 2 * p + 1, -2)
+
     for start in range(0, len(chosen), _CHUNK):
         part = chosen[start : start + _CHUNK]
-        sq = torch.stack(
-            [
-                (padded - src[..., r + a : r + a + hp, r + b : r + b + wp]).square().sum(dim=1)
-                for a, b in part
-            ],
-            dim=1,
-        )
-        arg = _window_sum(_window_sum(sq, 2 * p + 1, -1), 2 * p + 1, -2) * inv
-        taps = torch.stack([spatial[r + a, r + b] for a, b in part]).reshape(1, -1, 1, 1)
+        tap = taps[start : start + len(part)].reshape(1, -1, 1, 1)
+        w = out[:, start : start + len(part)]
         # e^-60 is far below float32 resolution next to the centre weight; cutting there keeps
         # the weights out of subnormal range, where exp and every later product are ~10× slower
-        keep = (arg > _CUTOFF) & _inside((height, width), part, guide.device, sizes)
-        out[:, start : start + len(part)] = torch.exp(arg.clamp(min=_CUTOFF)) * (taps * keep)
+        if not inplace:
+            dist = torch.stack([(padded - shifted(a, b)).square().sum(dim=1) for a, b in part], dim=1)
+            e = torch.exp((box(dist) * inv).clamp(min=_CUTOFF))
+            w.copy_(torch.where(e > _FLOOR, e, 0.0) * tap)
+        else:
+            for j, (a, b) in enumerate(part):
+                if diff is None:
+                    torch.sub(padded, shifted(a, b), out=sq[:, j : j + 1])
+                else:
+                    torch.sum(torch.sub(padded, shifted(a, b), out=diff).square_(), dim=1, out=sq[:, j])
+            dist = sq[:, : len(part)]
+            if diff is None:
+                dist.square_()
+            torch.mul(box(dist), inv, out=w)
+            F.threshold(w.clamp_(min=_CUTOFF).exp_(), _FLOOR, 0.0, inplace=True).mul_(tap)
+        _zero_outside(w, part, sizes)
     return out
+
+
+def _zero_outside(w: torch.Tensor, offsets: Offsets, sizes: Sizes | None) -> None:
+    """Zero ``w_o(x)`` ``(B, len(offsets), H, W)`` where ``x`` or ``x + o`` is outside its image. For a
+    whole batch of one size that is a few border rows and columns per offset (``a ≥ 0`` in the half set)."""
+    if sizes is not None:
+        w.mul_(_inside(tuple(w.shape[-2:]), offsets, w.device, sizes))
+        return
+    height, width = w.shape[-2:]
+    for j, (a, b) in enumerate(offsets):
+        w[:, j, height - a :].zero_()
+        if b > 0:
+            w[:, j, :, width - b :].zero_()
+        elif b < 0:
+            w[:, j, :, :-b].zero_()
 
 
 _CHUNK = 4
 _CUTOFF = -60.0
+_FLOOR = math.exp(_CUTOFF)
 
 
 def _window_sum(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:

@@ -121,4 +121,4 @@ class Denoiser(Predictor):
             mean = op.kernel(x) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
         else:
             mean = self.mean(x, valid)
-        return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s)), mean
+        return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s), tied=True), mean

@@ -109,6 +109,12 @@ class KGLMDEQ(nn.Module):
         self.same_coordinates = same_coordinates
 
     @property
+    def readout_is_map(self) -> bool:
+        """``V1 = W1`` and ``V2 = W2`` as modules: without a mask and with ``m̃ = m`` the readout is
+        then the equilibrium map itself, ``η̃ = f(z)``."""
+        return self.v1 is self.w1 and self.v2 is self.w2
+
+    @property
     def affine(self) -> bool:
         """Whether the equilibrium map is affine in ``z`` (Gaussian family, flat prior): then a CG
         solve without autograd goes to ``kdeq.linear``, which solves the same system faster."""
@@ -175,7 +181,10 @@ class KGLMDEQ(nn.Module):
             z0 = self.family.sigma(mean if mean is not None else torch.zeros_like(t))
         cfg = solver or self.solver
         if cfg.method == "cg" and self.affine and not torch.is_grad_enabled():
-            z, stats = solve_affine(self.w1, self.w2, t, mean, mask, z0, cfg)
+            tied = self.readout_is_map and mask is None and mean_out is mean
+            z, stats, fz = solve_affine(self.w1, self.w2, t, mean, mask, z0, cfg, with_map=tied)
+            if fz is not None:
+                return DEQOutput(fz, z, stats)
         else:
             z, stats = equilibrium(
                 lambda v: self.cell(v, t, mean, mask), z0, cfg, self.backward, self.backward_solver

@@ -83,11 +83,16 @@ def _constant(mean: torch.Tensor) -> bool:
 
 
 def transform_solve(
-    w1: Stationary, w2: Stationary, t: torch.Tensor, mean: torch.Tensor | None, config: SolverConfig
-) -> tuple[torch.Tensor, SolverStats] | None:
-    """``z* = T⁻¹[(s2 ĥ2 T t + T m)/(1 − s1 ĥ1)]`` for ``t`` ``(B, c, H, W)``, or ``None`` when the maps
-    are not diagonal in one transform. ``iterations`` is 0; the residual is ``‖f(z) − z‖`` evaluated
-    in the transform domain (the same number, by Parseval)."""
+    w1: Stationary,
+    w2: Stationary,
+    t: torch.Tensor,
+    mean: torch.Tensor | None,
+    config: SolverConfig,
+    with_map: bool = False,
+) -> tuple[torch.Tensor, SolverStats, torch.Tensor | None] | None:
+    """``(z*, stats, f(z*) if with_map)`` with ``z* = T⁻¹[(s2 ĥ2 T t + T m)/(1 − s1 ĥ1)]`` for ``t``
+    ``(B, c, H, W)``, or ``None`` when the maps are not diagonal in one transform. ``iterations`` is 0;
+    the residual is ``‖f(z) − z‖`` evaluated in the transform domain (the same number, by Parseval)."""
     found = _transform_symbols(w1, w2, tuple(t.shape[-2:]))
     if found is None:
         return None
@@ -116,7 +121,7 @@ def transform_solve(
         residual=res,
         converged=res <= config.tol,
     )
-    return z, stats
+    return z, stats, inverse(z_hat + resid) if with_map else None
 
 
 def symmetric_preconditioner(w1: Stationary, size: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -136,11 +141,15 @@ def solve_affine(
     mask: torch.Tensor | None,
     z0: torch.Tensor,
     config: SolverConfig,
-) -> tuple[torch.Tensor, SolverStats]:
-    """``z* = M W1 M z* + M W2 M t + m`` by the fastest exact method (module docstring)."""
+    with_map: bool = False,
+) -> tuple[torch.Tensor, SolverStats, torch.Tensor | None]:
+    """``z* = M W1 M z* + M W2 M t + m`` by the fastest exact method (module docstring).
+
+    Returns the solution ``z``, its statistics and, ``with_map``, ``f(z) = z + b − Az``: CG has the
+    true residual ``b − Az`` in hand, so a layer whose readout is its map gets it at no further cost."""
     s1, s2 = _stationary(w1), _stationary(w2)
     if mask is None and s1 is not None and s2 is not None:
-        done = transform_solve(s1, s2, t, mean, config)
+        done = transform_solve(s1, s2, t, mean, config, with_map)
         if done is not None:
             return done
     masked_t = t if mask is None else mask * t
@@ -157,4 +166,5 @@ def solve_affine(
     precondition = None
     if mask is None and s1 is not None and min(t.shape[-2:]) > s1.taps.shape[-1] // 2:
         precondition = symmetric_preconditioner(s1, tuple(t.shape[-2:]))
-    return linear_cg(apply_a, b, z0, config, precondition)
+    z, stats, residual = linear_cg(apply_a, b, z0, config, precondition)
+    return z, stats, z + residual if with_map else None

@@ -199,22 +199,19 @@ class Predictor:
         raise ValueError(f"mean {kind!r} is not defined for {self.name}")
 
     def kglm_layer(
-        self, family: Family, lam: torch.Tensor, kernel_map: Callable[[str, torch.Tensor], nn.Module]
+        self,
+        family: Family,
+        lam: torch.Tensor,
+        kernel_map: Callable[[str, torch.Tensor], nn.Module],
+        tied: bool = False,
     ) -> KGLMDEQ:
         """The kGLM-DEQ ``W1 = −K₁/λ, W2 = K₂/λ, V1 = −K₃/λ, V2 = K₄/λ`` (flat prior) with per-sample
-        ``λ`` ``(B,)``; ``kernel_map(name, s)`` is ``x ↦ s·K x`` for ``name`` in ``w1, w2, v1, v2``."""
+        ``λ`` ``(B,)``; ``kernel_map(name, s)`` is ``x ↦ s·K x`` for ``name`` in ``w1, w2, v1, v2``.
+        ``tied``: ``K₃ = K₁``, ``K₄ = K₂`` (``X̃ = X``), so ``V1``, ``V2`` are the modules ``W1``, ``W2``."""
         inv = 1.0 / lam
-        return KGLMDEQ(
-            family,
-            GaussianPrior(),
-            kernel_map("w1", -inv),
-            kernel_map("w2", inv),
-            None,
-            kernel_map("v1", -inv),
-            kernel_map("v2", inv),
-            self.config.solver,
-            self.backward,
-        )
+        w1, w2 = kernel_map("w1", -inv), kernel_map("w2", inv)
+        v1, v2 = (w1, w2) if tied else (kernel_map("v1", -inv), kernel_map("v2", inv))
+        return KGLMDEQ(family, GaussianPrior(), w1, w2, None, v1, v2, self.config.solver, self.backward)
 
     def conv_layer(self, family: Family, lam: torch.Tensor) -> KGLMDEQ:
         """``kglm_layer`` with the checkpoint's convolution banks ``w1, w2, v1, v2``."""

@@ -7,7 +7,9 @@ per sample, ``a`` the config's ``atol``: the floor only matters for a fixed
 point near 0, where a pure ratio can never fall) and returns the best
 iterate it saw, with its residual. A sample stops iterating (and counting)
 the step its residual reaches ``tol``; whether the whole batch is done is
-checked on the host only every ``check_every`` steps.
+checked on the host only every ``check_every`` steps on an asynchronous device
+(CUDA), and every step on the CPU, where reading the flag costs nothing and a
+step past convergence costs a whole map evaluation.
 
 Solvers (registry ``SOLVERS``):
 
@@ -39,7 +41,8 @@ class SolverConfig(BaseModel):
         method: ``fixed_point`` | ``anderson`` | ``cg``.
         tol: target relative residual ``‖f(z) − z‖/‖f(z)‖``.
         max_iter: iteration cap per sample.
-        check_every: host synchronisation period for the early exit.
+        check_every: host synchronisation period for the early exit on devices
+            outside ``SYNC_FREE_DEVICES`` (there it is every step).
         damping: ``β`` in ``(1−β)z + βf(z)`` (fixed point) and in Anderson's mixing.
         memory: Anderson's history length ``m``.
         regularization: Anderson's Tikhonov term, relative to the mean squared
@@ -75,6 +78,10 @@ class SolverStats:
     converged: torch.Tensor
 
 
+#: device types whose tensors are read by the host without waiting for queued work
+SYNC_FREE_DEVICES = frozenset({"cpu"})
+
+
 def _flat_norm(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1).norm(dim=1)
 
@@ -103,6 +110,7 @@ class _Tracker:
         self.best_res = _rel_residual(fz, z, config.atol).nan_to_num(nan=torch.inf)
         self.iterations = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
         self.active = self.best_res > config.tol
+        self.period = 1 if z.device.type in SYNC_FREE_DEVICES else config.check_every
 
     def update(self, step: int, z: torch.Tensor, fz: torch.Tensor) -> bool:
         """Record iterate ``z`` with its image ``f(z)`` for the samples still active; return True to stop."""
@@ -112,7 +120,7 @@ class _Tracker:
         self.best = torch.where(_expand(better, z), z, self.best)
         self.best_res = torch.where(better, res, self.best_res)
         self.active = self.active & (self.best_res > self.config.tol) & ~torch.isnan(res)
-        if step % self.config.check_every == 0 or step == self.config.max_iter:
+        if step % self.period == 0 or step == self.config.max_iter:
             return not bool(self.active.any())
         return False
 
@@ -197,8 +205,11 @@ def linear_cg(
     config: SolverConfig,
     precondition: Callable[[torch.Tensor], torch.Tensor] | None = None,
     residual: Map | None = None,
-) -> tuple[torch.Tensor, SolverStats]:
+) -> tuple[torch.Tensor, SolverStats, torch.Tensor]:
     """Preconditioned CG on ``A z = b`` per sample from ``z0`` ``(B, …)``; ``A`` and ``P⁻¹`` SPD.
+
+    Returns the best iterate ``z``, its statistics and its true residual ``b − Az``
+    (so ``f(z)`` costs the caller no further application of ``A``).
 
     ``b − Az`` is the fixed-point residual ``f(z) − z`` of ``f(z) = z − Az + b``
     and is tracked as the other solvers track theirs. The CG residual is updated
@@ -245,7 +256,7 @@ def linear_cg(
         if step >= config.max_iter or not bool(retry.any()):
             break
         track.active = retry
-    return track.result()
+    return (*track.result(), r)
 
 
 def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
@@ -254,7 +265,8 @@ def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[
     Valid when ``f`` is affine and ``I − ∂f`` is symmetric positive definite.
     """
     f0 = f(torch.zeros_like(z0))
-    return linear_cg(lambda p: p - (f(p) - f0), f0, z0, config, residual=lambda v: f(v) - v)
+    z, stats, _ = linear_cg(lambda p: p - (f(p) - f0), f0, z0, config, residual=lambda v: f(v) - v)
+    return z, stats
 
 
 Solver = Callable[[Map, torch.Tensor, SolverConfig], tuple[torch.Tensor, SolverStats]]

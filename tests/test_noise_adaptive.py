@@ -7,6 +7,7 @@ from kdeq.adaptive import (
     GuidedKernel,
     GuidedOperator,
     guided_gram,
+    guided_weights,
     half_offsets,
 )
 from kdeq.cli import test_image as piecewise_image
@@ -35,25 +36,46 @@ def test_half_offsets_cover_every_offset_once_with_its_mirror() -> None:
     assert len(half) == (7 * 7 + 1) // 2 and len(full) == 49
 
 
+@pytest.mark.parametrize("channels", [1, 3])
 @pytest.mark.parametrize("budget", [1 << 30, 1], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("patch", [0, 1, 2])
 def test_guided_operator_equals_dense_gram_from_explicit_features(
-    normalize: bool, patch: int, budget: int
+    normalize: bool, patch: int, budget: int, channels: int
 ) -> None:
     spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
-    guide = torch.rand(2, 3, 9, 11, dtype=F64)
+    guide = torch.rand(2, channels, 9, 11, dtype=F64)
     h2 = torch.tensor([0.3, 1.5], dtype=F64)
     op = GuidedOperator(guide, spatial, patch, h2, normalize, budget)
     assert op.parts == (1 if budget > 1 else len(half_offsets(3)))
-    x = torch.randn(2, 3, 9, 11, dtype=F64)
+    x = torch.randn(2, channels, 9, 11, dtype=F64)
     y = op(x)
     for b in range(2):
         gram = guided_gram(guide[b], spatial, patch, h2[b].item(), normalize)
-        expected = (gram @ x[b].reshape(3, -1).T).T.reshape(3, 9, 11)
+        expected = (gram @ x[b].reshape(channels, -1).T).T.reshape(channels, 9, 11)
         torch.testing.assert_close(y[b], expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(gram, gram.T, rtol=0, atol=1e-15)
         assert torch.linalg.eigvalsh(gram).min() > -1e-12
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_guided_weights_with_autograd_equal_the_in_place_path_and_carry_gradients(channels: int) -> None:
+    """Training differentiates through the weights (out of place); serving makes them in place."""
+    spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
+    guide = torch.rand(2, channels, 10, 12, dtype=F64)
+    h2 = torch.tensor([0.05, 0.4], dtype=F64)
+    with torch.no_grad():
+        served = guided_weights(guide, spatial, 2, h2)
+    trainable = spatial.clone().requires_grad_(True)
+    trained = guided_weights(guide, trainable, 2, h2)
+    torch.testing.assert_close(trained.detach(), served, rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(trained.sum(), trainable)
+    # each tap k_s(o) multiplies w_o and its mirror's map is the same one: d(Σw)/dk_s(o) = Σ_x exp(·)
+    half = half_offsets(3)
+    taps = torch.stack([spatial[3 + a, 3 + b] for a, b in half])
+    expected = (served.sum(dim=(0, 2, 3)) / taps)
+    got = torch.stack([grad[3 + a, 3 + b] for a, b in half])
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_normalized_kernel_has_spectral_radius_one() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdeq import SOLVERS, Kernel, SolverConfig, dense_spectral_norm, grid_coordinates, solve
+from kdeq import SOLVERS, Kernel, SolverConfig, dense_spectral_norm, grid_coordinates, solve, solvers
 
 F64 = torch.float64
 METHODS = sorted(SOLVERS)
@@ -59,7 +59,11 @@ def test_stats_are_per_sample_and_describe_the_returned_iterate(method: str) -> 
 
 
 @pytest.mark.parametrize("method", ["fixed_point", "anderson"])
-def test_converged_samples_stop_counting_and_checks_do_not_change_results(method: str) -> None:
+def test_converged_samples_stop_counting_and_checks_do_not_change_results(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the CPU checks every step; treat it as an asynchronous device so that check_every applies
+    monkeypatch.setattr(solvers, "SYNC_FREE_DEVICES", frozenset())
     slopes = torch.tensor([0.1, 0.9], dtype=F64)
     f, _ = _diagonal_affine(slopes)
     z0 = torch.zeros(2, 50, dtype=F64)
@@ -70,6 +74,24 @@ def test_converged_samples_stop_counting_and_checks_do_not_change_results(method
     easy_alone, s_easy = solve(_diagonal_affine(slopes[:1])[0], z0[:1], SolverConfig(**base, check_every=7))
     assert s7.iterations[0] == s_easy.iterations[0] < s7.iterations[1]
     assert torch.equal(z7[:1], easy_alone)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_on_the_cpu_a_solve_stops_the_step_it_converges(method: str) -> None:
+    """No host sync to save on the CPU: a check period of 50 must not cost map evaluations."""
+    f, _ = _diagonal_affine(torch.tensor([0.5, 0.6], dtype=F64))
+    calls = 0
+
+    def counted(z: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return f(z)
+
+    cfg = SolverConfig(method=method, tol=1e-6, max_iter=400, damping=1.0, check_every=50)
+    _, stats = solve(counted, torch.zeros(2, 50, dtype=F64), cfg)
+    assert stats.converged.all() and int(stats.iterations.max()) < 50
+    # one evaluation per step, plus the start's (and CG's f(0) and closing true residual)
+    assert calls <= int(stats.iterations.max()) + 3
 
 
 def test_plain_iteration_counts_match_the_contraction_rate() -> None:
