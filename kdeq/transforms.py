@@ -10,61 +10,98 @@ For a filter ``h`` of radius ``R`` (``(2R+1, 2R+1)``, centred) on an ``H×W`` gr
   ``h`` is even in each axis (``h(a, b) = h(−a, b) = h(a, −b)``) and ``R ≤ H, W``.
 
 Both are orthonormal, so ``‖x‖ = ‖D x‖`` (residuals may be measured in either domain).
-The DCT is computed from one real FFT per axis (Makhoul's reordering).
+The DCT is computed from one real 2-D FFT (Makhoul's reordering applied to both axes).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 
-def _reorder(n: int, device: torch.device) -> torch.Tensor:
-    """Indices ``v = (x₀, x₂, x₄, …, x₅, x₃, x₁)``: even entries ascending, then odd descending."""
-    idx = torch.arange(n, device=device)
-    return torch.cat([idx[0::2], idx[1::2].flip(0)])
+def _reorder(x: torch.Tensor) -> torch.Tensor:
+    """``v = (x₀, x₂, x₄, …, x₅, x₃, x₁)`` along both of the last two axes: even entries ascending,
+    then odd descending (four block copies instead of a gather)."""
+    h, w = (x.shape[-2] + 1) // 2, (x.shape[-1] + 1) // 2
+    v = torch.empty_like(x)
+    v[..., :h, :w] = x[..., 0::2, 0::2]
+    v[..., :h, w:] = x[..., 0::2, 1::2].flip(-1)
+    v[..., h:, :w] = x[..., 1::2, 0::2].flip(-2)
+    v[..., h:, w:] = x[..., 1::2, 1::2].flip(-2, -1)
+    return v
 
 
+def _unreorder(v: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``_reorder``."""
+    h, w = (v.shape[-2] + 1) // 2, (v.shape[-1] + 1) // 2
+    x = torch.empty_like(v)
+    x[..., 0::2, 0::2] = v[..., :h, :w]
+    x[..., 0::2, 1::2] = v[..., :h, w:].flip(-1)
+    x[..., 1::2, 0::2] = v[..., h:, :w].flip(-2)
+    x[..., 1::2, 1::2] = v[..., h:, w:].flip(-2, -1)
+    return x
+
+
+@functools.lru_cache(maxsize=64)
 def _twiddle(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``√(2/N) e^{−iπk/2N}`` for ``k < N``, with the ``k = 0`` entry scaled by ``1/√2`` (orthonormality)."""
+    """``w_k = √(2/N) e^{−iπk/2N}`` for ``k < N``, ``w_0`` scaled by ``1/√2`` (orthonormality)."""
     k = torch.arange(n, dtype=torch.float64, device=device)
     w = torch.polar(torch.full_like(k, math.sqrt(2.0 / n)), -math.pi * k / (2 * n))
     w[0] = w[0] / math.sqrt(2.0)
     return w.to(torch.complex128 if dtype == torch.float64 else torch.complex64)
 
 
-def _dct_last(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal DCT-II along the last axis of a real tensor."""
-    n = x.shape[-1]
-    v = x.index_select(-1, _reorder(n, x.device))
-    half = torch.fft.rfft(v, dim=-1)
-    full = torch.cat([half, half[..., 1 : (n + 1) // 2].flip(-1).conj()], dim=-1)
-    return (full * _twiddle(n, x.dtype, x.device)).real
+def _mirror(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x[(−k) mod N]`` along ``dim``: entry 0 stays, the rest reversed."""
+    return torch.cat([x.narrow(dim, 0, 1), x.narrow(dim, 1, x.shape[dim] - 1).flip(dim)], dim=dim)
 
 
-def _idct_last(y: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``_dct_last`` (orthonormal DCT-III) along the last axis."""
-    n = y.shape[-1]
-    w = _twiddle(n, y.dtype, y.device)
-    m = n // 2 + 1
-    # V_k = (Y_k − i Y_{N−k}) / w_k with Y_N = 0, needed for k ≤ N/2 only (v is real)
-    mirrored = torch.cat([torch.zeros_like(y[..., :1]), y[..., n - m + 1 :].flip(-1)], dim=-1)
-    spec = torch.complex(y[..., :m], -mirrored) / w[:m]
-    v = torch.fft.irfft(spec, n=n, dim=-1)
-    out = torch.empty_like(v)
-    out.index_copy_(-1, _reorder(n, y.device), v)
-    return out
+def _shift_mirror(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x[N − k]`` along ``dim`` with ``x[N] = 0``: a zero, then entries ``N−1 … 1``."""
+    zero = torch.zeros_like(x.narrow(dim, 0, 1))
+    return torch.cat([zero, x.narrow(dim, 1, x.shape[dim] - 1).flip(dim)], dim=dim)
 
 
 def dct2(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal 2-D DCT-II over the last two axes: ``(…, H, W) → (…, H, W)``."""
-    return _dct_last(_dct_last(x).transpose(-1, -2)).transpose(-1, -2)
+    """Orthonormal 2-D DCT-II over the last two axes: ``(…, H, W) → (…, H, W)``, from one real 2-D FFT.
+
+    With ``v`` the input reordered along both axes (``_reorder``) and ``V = F v`` its 2-D DFT,
+    ``X[k, l] = ½ Re(w_k (w_l V[k, l] + w̄_l V[k, −l]))`` (Makhoul's 1-D identity applied per
+    axis; ``V[k, −l] = conj V[−k, l]`` since ``v`` is real, so the half spectrum of ``rfft2``
+    suffices: columns ``l > W/2`` are read through ``−l``).
+    """
+    height, width = x.shape[-2:]
+    half = torch.fft.rfft2(_reorder(x))  # V[k, l] for 0 ≤ l ≤ W/2
+    conj_neg = _mirror(half, -2).conj()  # V[k, −l] for the same l
+    wk = _twiddle(height, x.dtype, x.device)[:, None]
+    wl = _twiddle(width, x.dtype, x.device)
+    m = half.shape[-1]
+    low = (wk * (wl[:m] * half + wl[:m].conj() * conj_neg)).real
+    # columns l = W − j (j = 1 … ⌈W/2⌉ − 1): V[k, l] = conj V[−k, j] and V[k, −l] = V[k, j]
+    j = (width + 1) // 2 - 1
+    wh = wl[width - j :].flip(-1)  # w_{W−j} for j = 1 … j
+    high = (wk * (wh * conj_neg[..., 1 : j + 1] + wh.conj() * half[..., 1 : j + 1])).real.flip(-1)
+    return 0.5 * torch.cat([low, high], dim=-1)
 
 
 def idct2(y: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``dct2`` (orthonormal 2-D DCT-III)."""
-    return _idct_last(_idct_last(y).transpose(-1, -2)).transpose(-1, -2)
+    """Inverse of ``dct2`` (orthonormal 2-D DCT-III), from one inverse real 2-D FFT.
+
+    Per axis ``V_k = (X_k − i X_{N−k})/w_k`` (``X_N = 0``); over both axes
+    ``V[k, l] = (X[k, l] − X[−k, −l] − i(X[−k, l] + X[k, −l]))/(w_k w_l)`` with ``X[−k] = X[N−k]``,
+    needed for ``l ≤ W/2`` only, then ``v = F⁻¹V`` and the reordering undone.
+    """
+    height, width = y.shape[-2:]
+    m = width // 2 + 1
+    rows = _shift_mirror(y, -2)  # X[−k, l]
+    cols = _shift_mirror(y, -1)[..., :m]  # X[k, −l]
+    both = _shift_mirror(rows, -1)[..., :m]  # X[−k, −l]
+    wk = _twiddle(height, y.dtype, y.device)[:, None]
+    wl = _twiddle(width, y.dtype, y.device)[:m]
+    spec = torch.complex(y[..., :m] - both, -(rows[..., :m] + cols)) / (wk * wl)
+    return _unreorder(torch.fft.irfft2(spec, s=(height, width)))
 
 
 def is_axis_even(bank: torch.Tensor, atol: float = 0.0) -> bool:
