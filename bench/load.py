@@ -1,6 +1,6 @@
 """Serving overhead: a real server process under concurrent load vs the same predictor in process.
 
-    .venv/bin/python bench/load.py [--seconds 10] [--clients 1 4 16] [--sizes 256 512] [--seed 0]
+    .venv/bin/python bench/load.py [--seconds 10] [--clients 1 4 16 64] [--sizes 256 512] [--batch B]
 
 It starts ``python -m service`` on loopback (CPU, default models; ``--batch``
 sets ``KDEQ_MAX_BATCH_SIZE``, else the service's default applies: 1 on a CPU).
@@ -162,13 +162,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, batch: int | None) -> subprocess.Popen:
+def start_server(port: int, batch: int | None, clients: int) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_")}
     env.update(
         KDEQ_PORT=str(port),
         KDEQ_DEVICE="cpu",
         KDEQ_LOG_LEVEL="warning",
-        KDEQ_QUEUE_SIZE="64",
+        KDEQ_QUEUE_SIZE=str(max(64, 2 * clients)),
         KDEQ_DRAIN_SECONDS="0",
         KDEQ_MODELS_DIR=str(ROOT / "models"),
     )
@@ -194,7 +194,7 @@ def start_server(port: int, batch: int | None) -> subprocess.Popen:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
     parser.add_argument("--batch", type=int, help="KDEQ_MAX_BATCH_SIZE of the server (default: its own)")
     parser.add_argument("--seed", type=int, default=0)
@@ -208,7 +208,7 @@ def main() -> None:
         f"seed {args.seed}, {args.seconds:g} s per point, server batch ≤ {args.batch or 'default (1 on CPU)'}"
     )
     port = free_port()
-    server = start_server(port, args.batch)
+    server = start_server(port, args.batch, max(args.clients))
     rows = []
     try:
         for size in args.sizes:

@@ -12,8 +12,9 @@ Sections (all by default; each prints a Markdown table):
 - ``linear``: the linear Gaussian model's solve (``kdeq.linear``) ÷ one forward + inverse
   transform of the same size, for the DCT path (symmetric border), preconditioned CG (zero
   border) and the generic CG on the fixed-point map that both replace.
-- ``memory``: peak resident memory per megapixel of the default (guided) denoiser, each size in
-  a fresh process, with the default weight budget and a 128 MiB one.
+- ``memory``: peak resident memory of the solve per megapixel of the default (guided) denoiser, each
+  size in a fresh process (Linux: the peak is reset just before the solve), with the default weight
+  budget and a 128 MiB one.
 - ``cuda``: images/s at batch 1…64, p50 latency at batch 1 and GPU memory per megapixel; skipped
   (and said so) when this machine has no CUDA device.
 
@@ -180,26 +181,32 @@ def _linear_rows(
 
 
 MEMORY_PROBE = """
-import resource, sys, time, torch
+import sys, time, torch
+from pathlib import Path
 from kdeq.repository import default_models_dir, find_model, load_predictor
+
+def status(field):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
+    return int(line.split()[1]) * 1024
+
 size, budget = int(sys.argv[1]), int(sys.argv[2])
 model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cpu")
 model.weight_budget = budget
 x = torch.rand(1, 1, size, size, generator=torch.Generator().manual_seed(0))
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current resident size
+base = status("VmRSS:")
 start = time.perf_counter()
 model.predict(x, sigma=25.0)
 seconds = time.perf_counter() - start
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(base * 1024, peak * 1024, seconds)
+print(base, status("VmHWM:"), seconds)
 """
 
 
 def section_memory(args: argparse.Namespace) -> None:
     print(
-        "\n### Guided denoiser: peak memory above the loaded model, per megapixel (fresh process per row)\n"
+        "\n### Guided denoiser: peak memory of the solve, per megapixel (fresh process per row)\n"
     )
-    print("| size | weight budget | weights kept? | peak − baseline (MiB) | MiB per MP | seconds |")
+    print("| size | weight budget | weights kept? | solve peak − resident before (MiB) | MiB per MP | s |")
     print("|---|---|---|---|---|---|")
     for size in (512, 1024, 2048):
         for budget in (1 << 30, 128 << 20):

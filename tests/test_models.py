@@ -154,6 +154,17 @@ def test_batch_results_equal_single_results_with_per_sample_stats(tmp_path: Path
     assert batch.output.shape == x.shape and torch.is_inference(batch.output)
 
 
+def test_a_channels_last_batch_is_made_contiguous_and_gives_the_same_result(tmp_path: Path) -> None:
+    """An (H, W, c) array permuted to (c, H, W) is channels-last; the kernels must not run on it strided."""
+    model = predictor(tmp_path, "denoise-kglm")
+    hwc = torch.rand(1, 20, 24, 3)
+    strided = hwc.permute(0, 3, 1, 2)
+    assert not strided.is_contiguous() and model.images(strided).is_contiguous()
+    torch.testing.assert_close(
+        model.predict(strided, sigma=20.0).output, model.predict(strided.contiguous(), sigma=20.0).output
+    )
+
+
 def test_solver_override_caps_iterations_and_reports_non_convergence(tmp_path: Path) -> None:
     model = predictor(tmp_path, "inpaint-kglm")
     x = torch.rand(2, 1, 20, 20)
