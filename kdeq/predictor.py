@@ -29,6 +29,7 @@ from kdeq.deq import KGLMDEQ
 from kdeq.families import Family
 from kdeq.filters import gaussian_taps, normalized_convolution, observed_mean
 from kdeq.implicit import Backward
+from kdeq.linear import Negated
 from kdeq.priors import GaussianPrior
 from kdeq.solvers import SolverConfig, SolverStats
 
@@ -209,10 +210,16 @@ class Predictor:
     ) -> KGLMDEQ:
         """The kGLM-DEQ ``W1 = −K₁/λ, W2 = K₂/λ, V1 = −K₃/λ, V2 = K₄/λ`` (flat prior) with per-sample
         ``λ`` ``(B,)``; ``kernel_map(name, s)`` is ``x ↦ s·K x`` for ``name`` in ``w1, w2, v1, v2``.
-        ``tied``: ``K₃ = K₁``, ``K₄ = K₂`` (``X̃ = X``), so ``V1``, ``V2`` are the modules ``W1``, ``W2``."""
+        ``tied``: one kernel ``K₁ = K₂ = K₃ = K₄`` on ``X̃ = X`` (Theorem 3 as it stands), built once:
+        ``W2 = −W1`` and the readout's maps are ``W1``, ``W2`` themselves (``kdeq.linear`` uses both)."""
         inv = 1.0 / lam
-        w1, w2 = kernel_map("w1", -inv), kernel_map("w2", inv)
-        v1, v2 = (w1, w2) if tied else (kernel_map("v1", -inv), kernel_map("v2", inv))
+        if tied:
+            w1 = kernel_map("w1", -inv)
+            w2: nn.Module = Negated(w1)
+            v1, v2 = w1, w2
+        else:
+            w1, w2 = kernel_map("w1", -inv), kernel_map("w2", inv)
+            v1, v2 = kernel_map("v1", -inv), kernel_map("v2", inv)
         return KGLMDEQ(family, GaussianPrior(), w1, w2, None, v1, v2, self.config.solver, self.backward)
 
     def conv_layer(self, family: Family, lam: torch.Tensor) -> KGLMDEQ:

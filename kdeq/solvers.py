@@ -199,12 +199,12 @@ def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tens
 
 
 def linear_cg(
-    apply_a: Callable[[torch.Tensor], torch.Tensor],
-    b: torch.Tensor,
+    apply_a: Map,
+    residual: Map,
     z0: torch.Tensor,
     config: SolverConfig,
-    precondition: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    residual: Map | None = None,
+    precondition: Map | None = None,
+    r0: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SolverStats, torch.Tensor]:
     """Preconditioned CG on ``A z = b`` per sample from ``z0`` ``(B, …)``; ``A`` and ``P⁻¹`` SPD.
 
@@ -218,14 +218,15 @@ def linear_cg(
     sample that has not truly converged restarts from its best iterate (while
     its iteration budget lasts). A sample whose curvature ``pᵀAp`` is not
     positive stops (its best iterate stands). ``residual(z)`` computes the true
-    ``b − Az`` (default literally so; a caller holding ``f`` passes ``f(z) − z``,
-    which in float32 is not the same number when ``‖A‖`` is large).
+    ``b − Az`` in whichever way is most accurate or cheapest for the caller (a
+    caller holding ``f`` passes ``f(z) − z``, which in float32 is not the same
+    number as ``b − Az`` when ``‖A‖`` is large); ``r0`` is its value at ``z0``
+    when the caller already has it.
     """
     identity = precondition is None
     tiny = torch.finfo(z0.dtype).tiny
-    true_residual = residual or (lambda v: b - apply_a(v))
     z = z0
-    r = true_residual(z0)
+    r = residual(z0) if r0 is None else r0
     track = _Tracker(z, z + r, config)
     step = 0
     while True:
@@ -249,7 +250,7 @@ def linear_cg(
             p = y + _expand(beta, p) * p
             ry = torch.where(ok, ry_new, ry)
         z = track.best
-        r = true_residual(z)
+        r = residual(z)
         true_res = _rel_residual(z + r, z, config.atol).nan_to_num(nan=torch.inf)
         track.best_res = true_res
         retry = (true_res > config.tol) & torch.isfinite(true_res) & (track.iterations < config.max_iter)
@@ -265,7 +266,7 @@ def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[
     Valid when ``f`` is affine and ``I − ∂f`` is symmetric positive definite.
     """
     f0 = f(torch.zeros_like(z0))
-    z, stats, _ = linear_cg(lambda p: p - (f(p) - f0), f0, z0, config, residual=lambda v: f(v) - v)
+    z, stats, _ = linear_cg(lambda p: p - (f(p) - f0), lambda v: f(v) - v, z0, config)
     return z, stats
 
 

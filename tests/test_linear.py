@@ -9,7 +9,7 @@ from kdeq import Kernel, SolverConfig
 from kdeq.conv import ScaledConv, conv
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
-from kdeq.linear import solve_affine
+from kdeq.linear import Negated, solve_affine
 from kdeq.priors import GaussianPrior
 from kdeq.transforms import dct2, dct_symbol, dft_symbol, idct2
 
@@ -61,11 +61,16 @@ def test_circular_convolution_symbol_is_its_spectrum() -> None:
 
 
 def gaussian_layer(taps: torch.Tensor, lam: torch.Tensor, padding: str, tied: bool = False) -> KGLMDEQ:
-    """``tied``: the readout's ``V1``, ``V2`` are the modules ``W1``, ``W2`` (read out as ``f(z)``)."""
+    """``tied``: ``W2 = −W1`` as ``Negated(W1)`` (first residual in one application) and the
+    readout's ``V1``, ``V2`` are the modules ``W1``, ``W2`` (read out as ``f(z)``)."""
     bank = taps[None, None]
     inv = 1.0 / lam
-    w1, w2 = ScaledConv(bank, -inv, padding), ScaledConv(bank, inv, padding)
-    v1, v2 = (w1, w2) if tied else (ScaledConv(bank, -inv, padding), ScaledConv(bank, inv, padding))
+    w1 = ScaledConv(bank, -inv, padding)
+    if tied:
+        w2 = Negated(w1)
+        return KGLMDEQ(Gaussian(), GaussianPrior(), w1, w2, None, w1, w2)
+    w2 = ScaledConv(bank, inv, padding)
+    v1, v2 = ScaledConv(bank, -inv, padding), ScaledConv(bank, inv, padding)
     return KGLMDEQ(Gaussian(), GaussianPrior(), w1, w2, None, v1, v2)
 
 
@@ -117,16 +122,18 @@ def test_transform_solve_takes_no_iterations_and_pcg_few() -> None:
     assert pcg.stats.iterations.item() * 3 <= plain.stats.iterations.item(), (pcg.stats, plain.stats)
 
 
-def test_linear_solve_with_a_mask_matches_the_dense_restricted_solve() -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["w2", "w2-is-minus-w1"])
+def test_linear_solve_with_a_mask_matches_the_dense_restricted_solve(tied: bool) -> None:
     gen = torch.Generator().manual_seed(5)
     taps = Kernel(profile="matern52", lengthscale=1.5, radius=2).filter(F64)
     y = torch.rand(1, 1, 9, 8, dtype=F64, generator=gen)
     mask = (torch.rand(1, 1, 9, 8, generator=gen) < 0.5).to(F64)
+    start = torch.rand(1, 1, 9, 8, dtype=F64, generator=gen)
     lam = torch.tensor([0.1], dtype=F64)
-    layer = gaussian_layer(taps, lam, "zeros")
+    layer = gaussian_layer(taps, lam, "zeros", tied)
     with torch.inference_mode():
         z, stats, fz = solve_affine(
-            layer.w1, layer.w2, y, None, mask, torch.zeros_like(y), SolverConfig(method="cg", tol=1e-12)
+            layer.w1, layer.w2, y, None, mask, start, SolverConfig(method="cg", tol=1e-12)
         )
     assert fz is None
     conv_matrix = operator_matrix(lambda x: conv(x, taps[None, None], "zeros"), (9, 8))
