@@ -130,14 +130,14 @@ def guided_weights(
     taps = torch.stack([spatial[r + a, r + b] for a, b in chosen])
     out = torch.empty(bsz, len(chosen), height, width, dtype=guide.dtype, device=guide.device)
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (guide, spatial, h2)))
-    sq = guide.new_empty(bsz, _CHUNK, hp, wp) if inplace else None
-    diff = guide.new_empty(bsz, c, hp, wp) if inplace and c > 1 else None
+    n = 2 * p + 1
+    if inplace:
+        sq = guide.new_empty(bsz, _CHUNK, hp, wp)
+        rows = guide.new_empty(bsz, _CHUNK, hp, width)
+        diff = guide.new_empty(bsz, c, hp, wp) if c > 1 else None
 
     def shifted(a: int, b: int) -> torch.Tensor:
         return src[..., r + a : r + a + hp, r + b : r + b + wp]
-
-    def box(dist: torch.Tensor) -> torch.Tensor:
-        return _window_sum(_window_sum(dist, 2 * p + 1, -1), 2 * p + 1, -2)
 
     for start in range(0, len(chosen), _CHUNK):
         part = chosen[start : start + _CHUNK]
@@ -147,7 +147,7 @@ def guided_weights(
         # the weights out of subnormal range, where exp and every later product are ~10× slower
         if not inplace:
             dist = torch.stack([(padded - shifted(a, b)).square().sum(dim=1) for a, b in part], dim=1)
-            e = torch.exp((box(dist) * inv).clamp(min=_CUTOFF))
+            e = torch.exp((_window_sum(_window_sum(dist, n, -1), n, -2) * inv).clamp(min=_CUTOFF))
             w.copy_(torch.where(e > _FLOOR, e, 0.0) * tap)
         else:
             for j, (a, b) in enumerate(part):
@@ -158,7 +158,7 @@ def guided_weights(
             dist = sq[:, : len(part)]
             if diff is None:
                 dist.square_()
-            torch.mul(box(dist), inv, out=w)
+            _window_sum(_window_sum(dist, n, -1, rows[:, : len(part)]), n, -2, w).mul_(inv)
             F.threshold(w.clamp_(min=_CUTOFF).exp_(), _FLOOR, 0.0, inplace=True).mul_(tap)
         _zero_outside(w, part, sizes)
     return out
@@ -184,16 +184,21 @@ _CUTOFF = -60.0
 _FLOOR = math.exp(_CUTOFF)
 
 
-def _window_sum(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """Sums of ``n`` consecutive entries along ``dim`` (length ``L → L − n + 1``), by doubling:
-    ``O(log n)`` adds of whole tensors, each a sum of few terms (no cumulative-sum cancellation)."""
+def _window_sum(x: torch.Tensor, n: int, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sums of ``n`` consecutive entries along ``dim`` (length ``L → L − n + 1``), added left to right
+    (no cumulative-sum cancellation); into ``out`` in place when given, else out of place (autograd)
+    — the same additions in the same order, so both give the same numbers."""
+    length = x.shape[dim] - n + 1
     if n == 1:
-        return x
-    length = x.shape[dim]
-    half = _window_sum(x, n // 2, dim)
-    out = half.narrow(dim, 0, length - n + 1) + half.narrow(dim, n // 2, length - n + 1)
-    if n % 2:
-        out = out + x.narrow(dim, n - 1, length - n + 1)
+        return x if out is None else out.copy_(x)
+    if out is None:
+        total = x.narrow(dim, 0, length) + x.narrow(dim, 1, length)
+        for k in range(2, n):
+            total = total + x.narrow(dim, k, length)
+        return total
+    torch.add(x.narrow(dim, 0, length), x.narrow(dim, 1, length), out=out)
+    for k in range(2, n):
+        out.add_(x.narrow(dim, k, length))
     return out
 
 
