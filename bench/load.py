@@ -1,9 +1,9 @@
 """Serving overhead: a real server process under concurrent load vs the same predictor in process.
 
-    .venv/bin/python bench/load.py [--seconds 10] [--clients 1 4 16 64] [--sizes 256 512] [--batch B]
+    .venv/bin/python bench/load.py [--seconds 10] [--clients 1 4 16 64] [--sizes 256 512] [--batch 1 8]
 
 It starts ``python -m service`` on loopback (CPU, default models; ``--batch``
-sets ``KDEQ_MAX_BATCH_SIZE``, else the service's default applies: 1 on a CPU).
+sets ``KDEQ_MAX_BATCH_SIZE``, one server per value, else the service's default applies: 1 on a CPU).
 For each image size and client count it first measures, in this process, one
 request's work without HTTP — decode the PNG, ``predict`` a batch of one,
 encode the PNG — and the throughput of that loop for ``--seconds``, then
@@ -196,25 +196,36 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512])
-    parser.add_argument("--batch", type=int, help="KDEQ_MAX_BATCH_SIZE of the server (default: its own)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        nargs="+",
+        help="KDEQ_MAX_BATCH_SIZE of the server, one server per value, each driven after the same "
+        "in-process measurement (default: the service's own)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[2, 4, 8], help="in-process batch costs"
     )
     args = parser.parse_args()
+    batches: list[int | None] = list(args.batch) if args.batch else [None]
     print(
         f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), model denoise-kglm:1 on cpu, σ=25 estimated per image, "
-        f"seed {args.seed}, {args.seconds:g} s per point, server batch ≤ {args.batch or 'default (1 on CPU)'}"
+        f"seed {args.seed}, {args.seconds:g} s per point, server batch ≤ "
+        + ", ".join(str(b) if b else "default (1 on CPU)" for b in batches)
     )
-    port = free_port()
-    server = start_server(port, args.batch, max(args.clients))
+    servers = {}
     rows = []
     try:
+        for batch in batches:
+            port = free_port()
+            servers[batch] = (port, start_server(port, batch, max(args.clients)))
         for size in args.sizes:
             pngs, source = images(size, args.seed)
             bodies = [multipart(p) for p in pngs]
-            drive(port, bodies, 1, 1.0)  # warm the server's allocator for this size
+            for port, _ in servers.values():
+                drive(port, bodies, 1, 1.0)  # warm the server's allocator for this size
             print(f"\n{size}×{size} ({source})")
             ratios = batch_cost(pngs, args.batch_sizes)
             print(
@@ -222,31 +233,36 @@ def main() -> None:
                 + ", ".join(f"B={b} {r:.2f}×" for b, r in ratios.items())
             )
             for clients in args.clients:
-                # the in-process baseline is measured right before each server point: the machine drifts
+                # the in-process baseline is measured right before the server points: the machine drifts
                 rate, full, predict = in_process(pngs, args.seconds)
-                done, elapsed, lat, errors = drive(port, bodies, clients, args.seconds)
-                q = np.quantile(lat, [0.5, 0.99]) if lat else [float("nan")] * 2
-                thr = done / elapsed
-                rows.append((size, clients, rate, full, thr, q[0], q[1], errors))
                 print(
                     f"  in process {rate:.2f} img/s, decode+predict+encode {full * 1e3:.0f} ms "
-                    f"(predict {predict * 1e3:.0f} ms); {clients:>2} clients: {thr:.2f} img/s "
-                    f"({thr / rate:.2f}×), p50 {q[0] * 1e3:.0f} ms ({q[0] / full:.2f}×), "
-                    f"p99 {q[1] * 1e3:.0f} ms, {errors} errors",
-                    flush=True,
+                    f"(predict {predict * 1e3:.0f} ms)"
                 )
+                for batch, (port, _) in servers.items():
+                    done, elapsed, lat, errors = drive(port, bodies, clients, args.seconds)
+                    q = np.quantile(lat, [0.5, 0.99]) if lat else [float("nan")] * 2
+                    thr = done / elapsed
+                    rows.append((size, clients, batch or 1, rate, full, thr, q[0], q[1], errors))
+                    print(
+                        f"    batch ≤ {batch or 1}, {clients:>2} clients: {thr:.2f} img/s "
+                        f"({thr / rate:.2f}×), p50 {q[0] * 1e3:.0f} ms ({q[0] / full:.2f}×), "
+                        f"p99 {q[1] * 1e3:.0f} ms, {errors} errors",
+                        flush=True,
+                    )
     finally:
-        server.terminate()
-        server.wait(60)
+        for _, server in servers.values():
+            server.terminate()
+            server.wait(60)
     print(
-        "\n| size | clients | in-process img/s | server img/s | ratio | in-process request ms | p50 ms "
-        "| p50 ratio | p99 ms | errors |"
+        "\n| size | clients | server batch ≤ | in-process img/s | server img/s | ratio "
+        "| in-process request ms | p50 ms | p50 ratio | p99 ms | errors |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for size, clients, rate, full, thr, p50, p99, errors in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for size, clients, batch, rate, full, thr, p50, p99, errors in rows:
         print(
-            f"| {size}² | {clients} | {rate:.2f} | {thr:.2f} | {thr / rate:.2f} | {full * 1e3:.0f} | "
-            f"{p50 * 1e3:.0f} | {p50 / full:.2f} | {p99 * 1e3:.0f} | {errors} |"
+            f"| {size}² | {clients} | {batch} | {rate:.2f} | {thr:.2f} | {thr / rate:.2f} | "
+            f"{full * 1e3:.0f} | {p50 * 1e3:.0f} | {p50 / full:.2f} | {p99 * 1e3:.0f} | {errors} |"
         )
 
 
