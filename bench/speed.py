@@ -15,6 +15,8 @@ Sections (all by default; each prints a Markdown table):
 - ``memory``: peak resident memory of the solve per megapixel of the default (guided) denoiser, each
   size in a fresh process (Linux: the peak is reset just before the solve), with the default weight
   budget and a 128 MiB one.
+- ``warmstart``: the segmenter (Bernoulli, Anderson) from ``σ(0)`` against a start from its
+  linearised equilibrium, on generated shapes with additive noise.
 - ``cuda``: images/s at batch 1…64, p50 latency at batch 1 and GPU memory per megapixel; skipped
   (and said so) when this machine has no CUDA device.
 
@@ -226,6 +228,30 @@ def section_memory(args: argparse.Namespace) -> None:
             )
 
 
+def section_warmstart(args: argparse.Namespace) -> None:
+    from kdeq.cli import test_image
+
+    model = load_predictor(find_model(default_models_dir(), "segment-kglm"), "cpu")
+    gen = torch.Generator().manual_seed(args.seed)
+    print("\n### Segmenter: Anderson from σ(0) against a start from the linearised equilibrium\n")
+    print("| size | noise σ | cold ms | cold iterations | warm ms | warm iterations | warm ÷ cold | max Δp |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size in (256, 512):
+        clean = (test_image(size) > 0.5).float()
+        for noise in (0.5, 1.0):
+            x = clean + noise * torch.randn(clean.shape, generator=gen)
+            runs = {}
+            for warm in (False, True):
+                model.warm_start = warm
+                runs[warm] = (best_time(lambda x=x: model.predict(x), args.repeat), model.predict(x))
+            (cold_s, cold), (warm_s, warm) = runs[False], runs[True]
+            diff = (cold.output - warm.output).abs().max().item()
+            print(
+                f"| {size}² | {noise:g} | {cold_s * 1e3:.1f} | {cold.stats.iterations.item()} | "
+                f"{warm_s * 1e3:.1f} | {warm.stats.iterations.item()} | {warm_s / cold_s:.2f} | {diff:.1e} |"
+            )
+
+
 def section_cuda(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         print("\n### CUDA\n\nNo CUDA device on this machine: section not run.")
@@ -257,6 +283,7 @@ SECTIONS = {
     "models": section_models,
     "linear": section_linear,
     "memory": section_memory,
+    "warmstart": section_warmstart,
     "cuda": section_cuda,
 }
 
