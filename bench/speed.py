@@ -174,7 +174,7 @@ def _linear_rows(
 
         rows.append(
             (
-                "generic CG on f, zero border (before)",
+                "generic CG on f, zero border",
                 best_time(cell_cg, repeat),
                 cell_cg()[1].iterations.item(),
             )

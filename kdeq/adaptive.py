@@ -172,11 +172,11 @@ def _zero_outside(w: torch.Tensor, offsets: Offsets, sizes: Sizes | None) -> Non
         return
     height, width = w.shape[-2:]
     for j, (a, b) in enumerate(offsets):
-        w[:, j, height - a :].zero_()
+        w[:, j, max(height - a, 0) :].zero_()
         if b > 0:
-            w[:, j, :, width - b :].zero_()
+            w[:, j, :, max(width - b, 0) :].zero_()
         elif b < 0:
-            w[:, j, :, :-b].zero_()
+            w[:, j, :, : min(-b, width)].zero_()
 
 
 _CHUNK = 4

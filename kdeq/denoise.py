@@ -91,7 +91,7 @@ class Denoiser(Predictor):
             layer, mean = self._guided(x, s.clamp(min=floor), lam, sizes, valid)
             out = layer(x, mean=mean, mean_out=mean, solver=cfg)
         else:
-            layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x, valid)
+            layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x, valid, sizes)
             out = layer(x, mean=mean, mean_out=mean, mask=valid, solver=cfg)
         return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
 
@@ -120,5 +120,5 @@ class Denoiser(Predictor):
             # the padding has no kernel mass (d = 0) and keeps the mean 0
             mean = op.kernel(x) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
         else:
-            mean = self.mean(x, valid)
+            mean = self.mean(x, valid, sizes)
         return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s), tied=True), mean

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kdeq.families import Gaussian
-from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
+from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, valid_region
 
 
 class Inpainter(Predictor):
@@ -56,12 +56,7 @@ class Inpainter(Predictor):
             raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no observed pixels")
         y = x * observed
         lam = self.lam(torch.zeros(x.shape[0], device=self.device))
-        if sizes is None:
-            mean = self.mean(y, observed)
-        else:
-            # the mean's smoothing mirrors at each image's own borders, as it does unbatched
-            both = torch.cat([y, observed], dim=1)
-            mean = per_image(lambda v: self.mean(v[:, :-1], v[:, -1:]), both, sizes)
+        mean = self.mean(y, observed, sizes)
         out = self.conv_layer(Gaussian(), lam)(
             y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
         )

@@ -14,9 +14,10 @@ definite for ``W1 = −K/λ``, ``K`` PSD. Two exact methods, chosen by the maps:
   ``ẑ = (ŵ2 t̂ + m̂)/(1 − ŵ1)`` — one forward and one inverse transform.
 - **preconditioned CG** otherwise: ``b`` is formed once, each step applies
   ``W1`` once (the generic CG on ``f`` applies ``W1`` and ``W2``), and for a
-  stationary ``W1`` without a mask the preconditioner is ``A``'s symmetric-border,
-  axis-symmetrised approximation inverted by the DCT (exact in the interior,
-  so CG only has the border left to fix).
+  stationary ``W1`` with a zero border and no mask (``A`` symmetric) the
+  preconditioner is ``A``'s symmetric-border, axis-symmetrised approximation
+  inverted by the DCT (exact in the interior, so CG only has the border left
+  to fix).
 
 Residuals and statistics follow ``kdeq.solvers``: the relative residual
 ``‖f(z) − z‖/max(‖f(z)‖, a√n)`` per sample, ``b − Az`` being ``f(z) − z``.
@@ -40,6 +41,11 @@ class Negated(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
         self.inner = inner
+
+    def stationary(self) -> Stationary | None:
+        """``W`` as one filter with its scale negated, when ``W`` is one (``_stationary``)."""
+        inner = _stationary(self.inner)
+        return None if inner is None else Stationary(inner.taps, -inner.scale, inner.padding)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return -self.inner(x)
@@ -68,6 +74,10 @@ def _transform_symbols(
     the Hermitian half-spectrum of ``rfft2`` counts its inner columns twice).
     """
     if w1.padding != w2.padding or w1.padding not in ("circular", "symmetric"):
+        return None
+    # the symbols need the filter to fit the image (smaller images take CG)
+    k = max(w1.taps.shape[-1], w2.taps.shape[-1])
+    if (k if w1.padding == "circular" else k // 2) > min(size):
         return None
     width = size[1]
     if w1.padding == "symmetric":
@@ -115,7 +125,6 @@ def transform_solve(
         if _constant(mean):
             # a constant has only the DC coefficient, √(HW)·m in both orthonormal transforms
             dc = mean[..., :1, :1] * (t.shape[-2] * t.shape[-1]) ** 0.5
-            rhs = rhs.clone()
             rhs[..., :1, :1] += dc
         else:
             rhs = rhs + forward(mean)
@@ -184,7 +193,10 @@ def solve_affine(
             return b - apply_a(z)
 
     precondition = None
-    if mask is None and s1 is not None and min(t.shape[-2:]) > s1.taps.shape[-1] // 2:
+    # only where A is symmetric and the symmetric-border inverse approximates it: the zero border
+    # (a reflect border, or a symmetric one with a filter not even in each axis, makes A asymmetric)
+    symmetric = s1 is not None and s1.padding == "zeros"
+    if mask is None and symmetric and min(t.shape[-2:]) > s1.taps.shape[-1] // 2:
         precondition = symmetric_preconditioner(s1, tuple(t.shape[-2:]))
     z, stats, r = linear_cg(apply_a, residual, z0, config, precondition, r0)
     return z, stats, z + r if with_map else None

@@ -6,7 +6,10 @@ of same-size images ``(B, c, H, W)`` (float, nominally in [0, 1]) to a
 sizes batch exactly where ``pads_exactly``: each is put in the top-left corner
 of a common ``H×W`` (``pad_images``), ``sizes`` says where, and the padding is
 unobserved — the kernel restricted to each image's pixels is the kernel the
-image has alone, so every result equals its unbatched one. ``forward`` is the
+image has alone, and means are computed on each image's own pixels, so every
+result solves the system it solves alone (equal to the solver's tolerance;
+the iterates differ: a zero-border stationary model's padded batch takes its
+CG without the preconditioner, whose DCT needs the whole grid). ``forward`` is the
 differentiable computation (the trainer calls it with its tensors requiring
 gradients); ``predict`` runs it under ``torch.inference_mode()``. A per-call
 ``SolverOverride`` changes the tolerance or the iteration cap.
@@ -188,17 +191,26 @@ class Predictor:
             raise ValueError("images contain non-finite values")
         return x
 
-    def mean(self, y: torch.Tensor, observed: torch.Tensor | None = None) -> torch.Tensor | None:
+    def mean(
+        self, y: torch.Tensor, observed: torch.Tensor | None = None, sizes: Sizes | None = None
+    ) -> torch.Tensor | None:
         """The Appendix H mean ``m`` ``(B, c, H, W)`` of kind ``none``, ``global`` (per-channel mean of
-        the observed pixels) or ``normalized_convolution``; ``observed`` ``(B, 1, H, W)``, default all."""
+        the observed pixels) or ``normalized_convolution``; ``observed`` ``(B, 1, H, W)``, default all
+        (with ``sizes``, each image's own pixels, whose smoothing mirrors at that image's borders as it
+        does when the image is alone)."""
         kind = self.config.mean
         if kind == "none":
             return None
-        obs = torch.ones_like(y[:, :1]) if observed is None else observed
+        obs = observed if observed is not None else valid_region(y, sizes)
+        obs = torch.ones_like(y[:, :1]) if obs is None else obs
         if kind == "global":
             return observed_mean(y, obs).expand_as(y)
         if kind == "normalized_convolution":
-            return normalized_convolution(y, obs, self.mean_taps)
+            if sizes is None:
+                return normalized_convolution(y, obs, self.mean_taps)
+            taps = self.mean_taps
+            both = torch.cat([y, obs], dim=1)
+            return per_image(lambda v: normalized_convolution(v[:, :-1], v[:, -1:], taps), both, sizes)
         raise ValueError(f"mean {kind!r} is not defined for {self.name}")
 
     def kglm_layer(

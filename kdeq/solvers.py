@@ -231,7 +231,7 @@ def linear_cg(
     step = 0
     while True:
         y = r if identity else precondition(r)
-        p = y.clone()
+        p = y
         ry = _bdot(r, y)
         while step < config.max_iter:
             step += 1

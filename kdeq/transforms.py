@@ -47,10 +47,11 @@ def _unreorder(v: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _twiddle(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``w_k = √(2/N) e^{−iπk/2N}`` for ``k < N``, ``w_0`` scaled by ``1/√2`` (orthonormality)."""
-    k = torch.arange(n, dtype=torch.float64, device=device)
-    w = torch.polar(torch.full_like(k, math.sqrt(2.0 / n)), -math.pi * k / (2 * n))
-    w[0] = w[0] / math.sqrt(2.0)
-    return w.to(torch.complex128 if dtype == torch.float64 else torch.complex64)
+    with torch.inference_mode(False):  # cached: it must also serve calls that autograd records
+        k = torch.arange(n, dtype=torch.float64, device=device)
+        w = torch.polar(torch.full_like(k, math.sqrt(2.0 / n)), -math.pi * k / (2 * n))
+        w[0] = w[0] / math.sqrt(2.0)
+        return w.to(torch.complex128 if dtype == torch.float64 else torch.complex64)
 
 
 def _mirror(x: torch.Tensor, dim: int) -> torch.Tensor:

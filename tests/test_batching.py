@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kdeq.cli import test_image as piecewise_image
+from kdeq.initialize import DEFAULT_SPECS, init_checkpoint
 from kdeq.predictor import SolverOverride, pad_images
 from kdeq.repository import find_model, load_predictor
 
@@ -52,6 +53,47 @@ def test_padded_inpaint_batch_equals_each_image_alone() -> None:
         # float32 CG stalls near residual 3e-5 on this λ = 0.01 system (κ ≈ 10³), so the two solves
         # agree to ~2e-4; a leak through the padding would be an error of order 0.1 at the borders
         torch.testing.assert_close(together.output[k, :, :h, :w], alone.output[0], rtol=0, atol=5e-4)
+
+
+def spec_with(name: str, tmp_path: Path, **changes):
+    """A default model's predictor with some of its spec's fields (or its architecture's) changed."""
+    spec = next(s for s in DEFAULT_SPECS if s.name == name)
+    arch = {k: changes.pop(k) for k in list(changes) if k in type(spec.architecture).model_fields}
+    spec = spec.model_copy(update={**changes, "architecture": spec.architecture.model_copy(update=arch)})
+    return load_predictor(init_checkpoint(spec, tmp_path)[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "mean"),
+    [
+        ("denoise-stationary-kglm", "normalized_convolution"),
+        ("denoise-stationary-kglm", "none"),
+        ("inpaint-kglm", "none"),
+        ("inpaint-kglm", "global"),
+    ],
+)
+def test_padded_batch_is_exact_for_every_mean(name: str, mean: str, tmp_path: Path) -> None:
+    """A smoothed mean is computed on each image's own pixels (mirrored at its own borders)."""
+    model = spec_with(name, tmp_path, mean=mean)
+    images = noisy_images(1)
+    batch, sizes = pad_images(images)
+    if model.task == "inpaint":
+        gen = torch.Generator().manual_seed(2)
+        masks = [torch.rand(1, *im.shape[-2:], generator=gen) < 0.3 for im in images]
+        together = model.predict(batch, pad_images(masks)[0], solver=TIGHT, sizes=sizes)
+        alone = [model.predict(im[None], m[None], solver=TIGHT) for im, m in zip(images, masks, strict=True)]
+    else:
+        together = model.predict(batch, sigma=20.0, solver=TIGHT, sizes=sizes)
+        alone = [model.predict(im[None], sigma=20.0, solver=TIGHT) for im in images]
+    for k, (h, w) in enumerate(sizes):
+        torch.testing.assert_close(together.output[k, :, :h, :w], alone[k].output[0], rtol=0, atol=5e-4)
+
+
+def test_a_border_that_cannot_pad_exactly_refuses_sizes(tmp_path: Path) -> None:
+    model = spec_with("denoise-stationary-kglm", tmp_path, padding="symmetric")
+    assert not model.pads_exactly
+    with pytest.raises(ValueError, match="cannot batch images of different sizes exactly"):
+        model.predict(torch.rand(1, 1, 16, 16), sigma=20.0, sizes=[(16, 16)])
 
 
 def test_models_that_cannot_pad_exactly_refuse_sizes() -> None:

@@ -122,6 +122,38 @@ def test_transform_solve_takes_no_iterations_and_pcg_few() -> None:
     assert pcg.stats.iterations.item() * 3 <= plain.stats.iterations.item(), (pcg.stats, plain.stats)
 
 
+@pytest.mark.parametrize(
+    ("padding", "shape", "radius", "lam"),
+    [("reflect", (64, 48), 5, 0.01), ("circular", (5, 6), 3, 0.05)],
+    ids=["reflect-small-lambda", "circular-filter-wider-than-image"],
+)
+def test_linear_path_falls_back_to_plain_cg_where_no_transform_or_preconditioner_fits(
+    padding: str, shape: tuple[int, int], radius: int, lam: float
+) -> None:
+    """A reflect border makes ``A`` asymmetric at the border, where the symmetric-border
+    preconditioner stalled CG (residual 6e-7 after 2000 steps here), and a filter wider than the
+    image has no symbol: both must solve, and agree with CG on the fixed-point map."""
+    gen = torch.Generator().manual_seed(9)
+    taps = Kernel(profile="se", lengthscale=2.0, radius=radius).filter(F64)
+    y = torch.rand(1, 1, *shape, dtype=F64, generator=gen)
+    layer = gaussian_layer(taps, torch.tensor([lam], dtype=F64), padding)
+    cfg = SolverConfig(method="cg", tol=1e-8, max_iter=2000)
+    with torch.inference_mode():
+        fast = layer(y, solver=cfg)
+    generic = layer(y, solver=cfg)  # autograd on: the generic CG on the fixed-point map
+    assert bool(fast.stats.converged.all()), fast.stats
+    torch.testing.assert_close(fast.z, generic.z.detach(), rtol=0, atol=1e-6)
+
+
+def test_dct2_serves_autograd_after_an_inference_mode_call() -> None:
+    """The transform's cached twiddles are made outside inference mode."""
+    with torch.inference_mode():
+        dct2(torch.rand(1, 1, 11, 13))
+    x = torch.rand(1, 1, 11, 13, dtype=torch.float32, requires_grad=True)
+    (grad,) = torch.autograd.grad(dct2(x).square().sum(), x)
+    torch.testing.assert_close(grad, 2 * x.detach(), rtol=1e-5, atol=1e-5)  # orthonormal: ∇‖Dx‖² = 2x
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["w2", "w2-is-minus-w1"])
 def test_linear_solve_with_a_mask_matches_the_dense_restricted_solve(tied: bool) -> None:
     gen = torch.Generator().manual_seed(5)

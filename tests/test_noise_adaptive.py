@@ -78,6 +78,17 @@ def test_guided_weights_with_autograd_equal_the_in_place_path_and_carry_gradient
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
+def test_weights_of_offsets_wider_than_the_image_are_zero() -> None:
+    """``w_o(x) = 0`` wherever ``x + o`` leaves the image, also for offsets past its whole width."""
+    spatial = Kernel(lengthscale=3.0, radius=7).filter(F64)
+    weights = guided_weights(torch.rand(1, 1, 4, 5, dtype=F64), spatial, 1, torch.tensor([0.5], dtype=F64))
+    rows, cols = torch.meshgrid(torch.arange(4), torch.arange(5), indexing="ij")
+    for k, (a, b) in enumerate(half_offsets(7)):
+        outside = (rows + a >= 4) | (cols + b < 0) | (cols + b >= 5)
+        assert not bool(weights[0, k][outside].any()), (a, b)
+        assert bool((weights[0, k][~outside] > 0).all()), (a, b)
+
+
 def test_normalized_kernel_has_spectral_radius_one() -> None:
     """``D^{-1/2} K D^{-1/2}`` is similar to the row-stochastic ``D⁻¹K``: its top eigenvalue is 1."""
     spatial = Kernel(lengthscale=2.0, radius=2).filter(F64)
