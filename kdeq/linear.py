@@ -173,6 +173,7 @@ def solve_affine(
         done = transform_solve(s1, s2, t, mean, config, with_map)
         if done is not None:
             return done
+
     def restrict(x: torch.Tensor) -> torch.Tensor:
         return x if mask is None else mask * x
 

@@ -21,26 +21,35 @@ import math
 import torch
 
 
+def _blocks(h: int, w: int) -> list[tuple[tuple[slice, slice], tuple[slice, slice], tuple[int, ...]]]:
+    """Makhoul's reordering ``v = (x₀, x₂, x₄, …, x₅, x₃, x₁)`` along both of the last two axes of an
+    ``h×w`` grid as four blocks ``(block of v, strided block of x, axes flipped between them)``: even
+    entries ascending, then odd ones descending."""
+    hv, wv = (h + 1) // 2, (w + 1) // 2
+    even, odd = slice(0, None, 2), slice(1, None, 2)
+    return [
+        ((slice(None, hv), slice(None, wv)), (even, even), ()),
+        ((slice(None, hv), slice(wv, None)), (even, odd), (-1,)),
+        ((slice(hv, None), slice(None, wv)), (odd, even), (-2,)),
+        ((slice(hv, None), slice(wv, None)), (odd, odd), (-2, -1)),
+    ]
+
+
 def _reorder(x: torch.Tensor) -> torch.Tensor:
-    """``v = (x₀, x₂, x₄, …, x₅, x₃, x₁)`` along both of the last two axes: even entries ascending,
-    then odd descending (four block copies instead of a gather)."""
-    h, w = (x.shape[-2] + 1) // 2, (x.shape[-1] + 1) // 2
+    """``v`` from ``x`` (``_blocks``): four block copies instead of a gather."""
     v = torch.empty_like(x)
-    v[..., :h, :w] = x[..., 0::2, 0::2]
-    v[..., :h, w:] = x[..., 0::2, 1::2].flip(-1)
-    v[..., h:, :w] = x[..., 1::2, 0::2].flip(-2)
-    v[..., h:, w:] = x[..., 1::2, 1::2].flip(-2, -1)
+    for dst, src, axes in _blocks(*x.shape[-2:]):
+        block = x[(..., *src)]
+        v[(..., *dst)] = block.flip(axes) if axes else block
     return v
 
 
 def _unreorder(v: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``_reorder``."""
-    h, w = (v.shape[-2] + 1) // 2, (v.shape[-1] + 1) // 2
+    """``x`` from ``v``, the inverse of ``_reorder``."""
     x = torch.empty_like(v)
-    x[..., 0::2, 0::2] = v[..., :h, :w]
-    x[..., 0::2, 1::2] = v[..., :h, w:].flip(-1)
-    x[..., 1::2, 0::2] = v[..., h:, :w].flip(-2)
-    x[..., 1::2, 1::2] = v[..., h:, w:].flip(-2, -1)
+    for dst, src, axes in _blocks(*v.shape[-2:]):
+        block = v[(..., *dst)]
+        x[(..., *src)] = block.flip(axes) if axes else block
     return x
 
 
