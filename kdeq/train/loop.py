@@ -289,8 +289,20 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
     """
     rank = Rank.from_env()
     device = _device(cfg, rank)
-    if rank.world > 1 and not dist.is_initialized():
+    owned = rank.world > 1 and not dist.is_initialized()
+    if owned:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        return _train(cfg, progress, rank, device)
+    finally:
+        if owned:
+            # a group left to the interpreter's exit can abort the process (gloo's threads outlive it)
+            dist.destroy_process_group()
+
+
+def _train(
+    cfg: TrainConfig, progress: Callable[..., object] | None, rank: Rank, device: torch.device
+) -> dict:
     spec = cfg.model_spec()
     fp = _fingerprint(cfg, rank.world)
     model = TrainableModel(spec, start_tensors(spec, cfg.init, cfg.seed), device, cfg.backward)
