@@ -1,13 +1,15 @@
 """Does fine-tuning pay off? Checkpoints side by side on the quality benchmark's protocol.
 
-    .venv/bin/python bench/finetune.py --task denoise START TUNED [RANDOM …] [--bsd68]
+    .venv/bin/python bench/finetune.py --task denoise START TUNED [RANDOM …] [--bsd68] [--cbsd68 N] [--blind]
     .venv/bin/python bench/finetune.py --task inpaint START TUNED [RANDOM …]
 
 Each argument is a checkpoint folder (``models/<name>/<version>``). Denoise: Set12 at
-σ = 15/25/50 (and BSD68 at σ = 25 with ``--bsd68``), σ given to the model; inpaint: Set12 with
-50 % and 80 % random pixels missing, PSNR on the missing pixels. Noise and masks are
+σ = 15/25/50 (and BSD68 at σ = 25 with ``--bsd68``, the first ``N`` CBSD68 images at σ = 25 with
+``--cbsd68 N``), σ given to the model or, with ``--blind``, estimated by it per image; inpaint:
+Set12 with 50 % and 80 % random pixels missing, PSNR on the missing pixels. Noise and masks are
 ``bench/baselines.py``'s (seed = image index), so the figures line up with ``bench/quality.py``'s.
-Prints a Markdown table: mean PSNR (dB), mean solver iterations, converged count.
+Prints a Markdown table: mean PSNR (dB), mean solver iterations, converged count, and for a model
+with a guide network the PSNR of its pilot alone.
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ from quality import to_numpy, to_tensor
 from kdeq.repository import load_predictor
 
 
-def cases(task: str, bsd68: bool) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, object]]]]:
+def cases(
+    task: str, bsd68: bool, cbsd68: int = 0
+) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, object]]]]:
     """``(label, [(clean, input, extra)])``: extra is σ (denoise) or the missing mask (inpaint)."""
     out = []
     if task == "denoise":
-        sets = [("Set12", s) for s in (15, 25, 50)] + ([("BSD68", 25)] if bsd68 else [])
-        for name, sigma in sets:
-            images = B.load_set(name)
+        sets = [("Set12", s, None) for s in (15, 25, 50)] + ([("BSD68", 25, None)] if bsd68 else [])
+        sets += [("CBSD68", 25, cbsd68)] if cbsd68 else []
+        for name, sigma, limit in sets:
+            images = B.load_set(name, limit)
             out.append(
                 (
-                    f"{name} σ={sigma}",
+                    f"{name}{f' (first {limit})' if limit else ''} σ={sigma}",
                     [(c, B.add_noise(c, sigma, i), sigma) for i, (_, c) in enumerate(images)],
                 )
             )
@@ -50,14 +55,20 @@ def cases(task: str, bsd68: bool) -> list[tuple[str, list[tuple[np.ndarray, np.n
     return out
 
 
-def score(task: str, model, clean: np.ndarray, y: np.ndarray, extra) -> tuple[float, int, bool]:
+def score(
+    task: str, model, clean: np.ndarray, y: np.ndarray, extra, blind: bool = False
+) -> tuple[float, int, bool, float]:
+    """PSNR, iterations, convergence, and the pilot's PSNR (NaN without a guide network)."""
+    pilot = float("nan")
     if task == "denoise":
-        pred = model.predict(to_tensor(y), sigma=float(extra))
+        pred = model.predict(to_tensor(y), sigma=None if blind else float(extra))
         value = B.psnr(to_numpy(pred.output), clean)
+        if pred.pilot is not None:
+            pilot = B.psnr(to_numpy(pred.pilot), clean)
     else:
         pred = model.predict(to_tensor(y), torch.from_numpy(extra)[None, None])
         value = B.psnr(to_numpy(pred.output), clean, extra)
-    return value, int(pred.stats.iterations.item()), bool(pred.stats.converged.item())
+    return value, int(pred.stats.iterations.item()), bool(pred.stats.converged.item()), pilot
 
 
 def main() -> None:
@@ -65,20 +76,26 @@ def main() -> None:
     parser.add_argument("--task", choices=("denoise", "inpaint"), required=True)
     parser.add_argument("checkpoints", nargs="+", type=Path)
     parser.add_argument("--bsd68", action="store_true")
+    parser.add_argument("--cbsd68", type=int, default=0, metavar="N", help="the first N CBSD68 images")
+    parser.add_argument("--blind", action="store_true", help="the models estimate σ per image")
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; protocol of bench/quality.py (seed = image index)"
+        f"{torch.get_num_threads()} threads; protocol of bench/quality.py (seed = image index); "
+        f"σ {'estimated' if args.blind else 'given'}"
     )
     models = [(str(p), load_predictor(p)) for p in args.checkpoints]
     print("| data | " + " | ".join(f"`{name}`" for name, _ in models) + " |")
     print("|---|" + "---|" * len(models))
-    for label, items in cases(args.task, args.bsd68):
+    for label, items in cases(args.task, args.bsd68, args.cbsd68):
         cells = []
         for _, model in models:
-            results = [score(args.task, model, c, y, e) for c, y, e in items]
-            psnrs, iters, conv = zip(*results, strict=True)
-            cells.append(f"{np.mean(psnrs):.2f} dB ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)})")
+            results = [score(args.task, model, c, y, e, args.blind) for c, y, e in items]
+            psnrs, iters, conv, pilots = zip(*results, strict=True)
+            cell = f"{np.mean(psnrs):.2f} dB ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)})"
+            if not np.isnan(pilots).any():
+                cell += f", pilot {np.mean(pilots):.2f} dB"
+            cells.append(cell)
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -83,7 +83,7 @@ def section_models(args: argparse.Namespace) -> None:
     import baselines as B
 
     models = default_models_dir()
-    default = load_predictor(find_model(models, "denoise-kglm"), "cpu")
+    default = load_predictor(find_model(models, "denoise-kglm", 1), "cpu")
     stationary = load_predictor(find_model(models, "denoise-stationary-kglm"), "cpu")
 
     def kdeq_method(predictor, known: bool):
@@ -192,7 +192,7 @@ def status(field):
     return int(line.split()[1]) * 1024
 
 size, budget = int(sys.argv[1]), int(sys.argv[2])
-model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cpu")
+model = load_predictor(find_model(default_models_dir(), "denoise-kglm", 1), "cpu")
 model.weight_budget = budget
 x = torch.rand(1, 1, size, size, generator=torch.Generator().manual_seed(0))
 Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current resident size
@@ -205,9 +205,7 @@ print(base, status("VmHWM:"), seconds)
 
 
 def section_memory(args: argparse.Namespace) -> None:
-    print(
-        "\n### Guided denoiser: peak memory of the solve, per megapixel (fresh process per row)\n"
-    )
+    print("\n### Guided denoiser: peak memory of the solve, per megapixel (fresh process per row)\n")
     print("| size | weight budget | weights kept? | solve peak − resident before (MiB) | MiB per MP | s |")
     print("|---|---|---|---|---|---|")
     for size in (512, 1024, 2048):
@@ -257,7 +255,7 @@ def section_cuda(args: argparse.Namespace) -> None:
         print("\n### CUDA\n\nNo CUDA device on this machine: section not run.")
         return
     device = torch.device("cuda")
-    model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), device)
+    model = load_predictor(find_model(default_models_dir(), "denoise-kglm", 1), device)
     print(f"\n### CUDA: {torch.cuda.get_device_name(device)}, denoise-kglm, σ given\n")
     print("| size | batch | images/s | ÷ batch 1 | p50 ms per batch | GPU MiB per MP |")
     print("|---|---|---|---|---|---|")

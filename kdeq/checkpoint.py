@@ -22,13 +22,22 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from kdeq.adaptive import GuidedKernel
 from kdeq.conv import Padding
+from kdeq.guidenet import GuideNet
 from kdeq.kernels import Coregional, NotPSDError, require_psd_filter
 from kdeq.solvers import SolverConfig
 
@@ -57,11 +66,21 @@ class ConvArchitecture(_Strict):
 
 class GuidedArchitecture(_Strict):
     """Adaptive kernel on ``(position, guide patch)`` (DESIGN §2.5): tensors ``spatial`` ``(2R+1, 2R+1)``
-    (the taps of ``k_s``) and ``smoothing`` ``(L,)`` (1-D taps pre-smoothing the guide, ``L`` odd)."""
+    (the taps of ``k_s``) and ``smoothing`` ``(L,)`` (1-D taps pre-smoothing the guide, ``L`` odd).
+    With ``net`` the guide is a learned pilot image (``kdeq.guidenet``), with the network's tensors."""
 
     kind: Literal["guided"] = "guided"
     kernel: GuidedKernel
     smoothing: float = Field(0.7, ge=0)
+    net: GuideNet | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_net(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # without a network the config is written as before, so rebuilt defaults stay byte-identical
+        data = handler(self)
+        if self.net is None:
+            data.pop("net", None)
+        return data
 
 
 Architecture = Annotated[ConvArchitecture | GuidedArchitecture, Field(discriminator="kind")]
@@ -184,7 +203,10 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...] | None]:
         c, k = arch.kernel.channels, 2 * arch.kernel.radius + 1
         return {name: (c, c, k, k) for name in ("w1", "w2", "v1", "v2")}
     k = 2 * arch.kernel.spatial.radius + 1
-    return {"spatial": (k, k), "smoothing": None}
+    out: dict[str, tuple[int, ...] | None] = {"spatial": (k, k), "smoothing": None}
+    if arch.net is not None:
+        out.update(arch.net.shapes())
+    return out
 
 
 def _check_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: Path) -> None:

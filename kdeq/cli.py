@@ -41,8 +41,8 @@ from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
 from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
+from kdeq.train import calibrate, init_compare
 from kdeq.train import cli as train_cli
-from kdeq.train import init_compare
 
 
 def test_image(size: int) -> torch.Tensor:
@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     p_train = sub.add_parser("train", help="fine-tune a checkpoint from the kGLM start on images")
     train_cli.add_arguments(p_train)
     p_train.set_defaults(handler=train_cli.run)
+    p_cal = sub.add_parser("calibrate", help="choose a trained guided denoiser's bandwidth on validation")
+    calibrate.add_arguments(p_cal)
+    p_cal.set_defaults(handler=calibrate.run)
     p_exp = sub.add_parser("experiment", help="reproduce the paper's experiments")
     exp_sub = p_exp.add_subparsers(dest="experiment", required=True)
     p_ic = exp_sub.add_parser("init-compare", help="kGLM vs random initialisation (paper §4, Table 1)")

@@ -11,7 +11,9 @@ with prior ``N(m, K/s²·…)``. Two kernels:
   the image's global mean;
 - ``guided``: the adaptive kernel of ``kdeq.adaptive`` on (position, patch of
   the pre-smoothed image), computed per image, symmetrically normalised, with
-  the kernel's own local average ``D⁻¹K y`` as the mean (Appendix H).
+  the kernel's own local average ``D⁻¹K y`` as the mean (Appendix H). With a
+  guide network (``kdeq.guidenet``) the guide is its pilot ``p`` and the mean
+  ``(1 − β)·D⁻¹K y + β·p``.
 
 ``σ`` is given per call (0–255 scale) or estimated per image (``kdeq.noise``).
 """
@@ -27,6 +29,7 @@ from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
+from kdeq.guidenet import pilot
 from kdeq.noise import estimate_sigma
 from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 
@@ -88,12 +91,38 @@ class Denoiser(Predictor):
         cfg = self.solver(solver)
         if isinstance(self.config.architecture, GuidedArchitecture):
             floor = rule.min_sigma / 255.0 if isinstance(rule, NoiseLambda) else 0.0
-            layer, mean = self._guided(x, s.clamp(min=floor), lam, sizes, valid)
+            layer, mean, pilot_image = self._guided(x, s.clamp(min=floor), lam, sizes, valid)
             out = layer(x, mean=mean, mean_out=mean, solver=cfg)
-        else:
-            layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x, valid, sizes)
-            out = layer(x, mean=mean, mean_out=mean, mask=valid, solver=cfg)
+            return Prediction(out.eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
+        layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x, valid, sizes)
+        out = layer(x, mean=mean, mean_out=mean, mask=valid, solver=cfg)
         return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
+
+    def guide(
+        self, x: torch.Tensor, s: torch.Tensor, sizes: Sizes | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The guided kernel's guide ``g`` and the guide network's pilot ``p`` (``None`` without one),
+        ``(B, c, H, W)``, for images ``x`` at noise levels ``s`` ``(B,)`` in [0, 1] units."""
+        arch = self.config.architecture
+        taps = self.tensors["smoothing"]
+        guide = (
+            separable_blur(x, taps)
+            if sizes is None
+            else per_image(lambda v: separable_blur(v, taps), x, sizes)
+        )
+        if arch.net is None:
+            return guide, None
+        net, t = arch.net, self.tensors
+        if sizes is None:
+            pilot_image = pilot(x, guide, s, t, net)
+        else:
+            pilot_image = torch.zeros_like(x)
+            for k, (h, w) in enumerate(sizes):
+                part = pilot(x[k : k + 1, :, :h, :w], guide[k : k + 1, :, :h, :w], s[k : k + 1], t, net)
+                pilot_image[k, :, :h, :w] = part[0]
+        # the weight maps are not differentiated: the guide is learned through the mean and the
+        # pilot's own loss, which keeps training at the cost of the no-autograd kernel
+        return pilot_image.detach(), pilot_image
 
     def _guided(
         self,
@@ -102,15 +131,12 @@ class Denoiser(Predictor):
         lam: torch.Tensor,
         sizes: Sizes | None,
         valid: torch.Tensor | None,
-    ) -> tuple[KGLMDEQ, torch.Tensor]:
-        arch = self.config.architecture
-        kern = arch.kernel
+    ) -> tuple[KGLMDEQ, torch.Tensor | None, torch.Tensor | None]:
+        """The guided layer, its mean ``m`` and the guide network's pilot ``p`` (``None`` without one),
+        each ``(B, c, H, W)``."""
+        kern = self.config.architecture.kernel
         taps = self.tensors["smoothing"]
-        guide = (
-            separable_blur(x, taps)
-            if sizes is None
-            else per_image(lambda v: separable_blur(v, taps), x, sizes)
-        )
+        guide, pilot_image = self.guide(x, s, sizes)
         # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
         h2 = kern.h2(x.shape[1], s * taps.square().sum()) * self.bandwidth_scale**2
         op = GuidedOperator(
@@ -121,4 +147,8 @@ class Denoiser(Predictor):
             mean = op.kernel(x) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
         else:
             mean = self.mean(x, valid, sizes)
-        return self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s), tied=True), mean
+        if pilot_image is not None:
+            beta = self.tensors["net_mean_mix"]
+            mean = beta * pilot_image + (0.0 if mean is None else (1 - beta) * mean)
+        layer = self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s), tied=True)
+        return layer, mean, pilot_image

@@ -28,6 +28,7 @@ from kdeq.checkpoint import (
     save_checkpoint,
 )
 from kdeq.filters import gaussian_taps
+from kdeq.guidenet import GuideNet
 from kdeq.kernels import Coregional, Kernel, require_psd_filter
 from kdeq.solvers import SolverConfig
 
@@ -46,10 +47,13 @@ def init_tensors(spec: ModelSpec) -> dict[str, torch.Tensor]:
         return {name: bank.clone() for name in ("w1", "w2", "v1", "v2")}
     spatial = arch.kernel.spatial.filter(torch.float64)
     require_psd_filter(spatial, "the spatial kernel", 1e-9)
-    return {
+    out = {
         "spatial": spatial.to(torch.float32),
         "smoothing": gaussian_taps(arch.smoothing, torch.float64).float(),
     }
+    if arch.net is not None:
+        out.update(arch.net.kglm_start())
+    return out
 
 
 def init_checkpoint(spec: ModelSpec, root: Path) -> tuple[Path, ModelConfig]:
@@ -107,6 +111,20 @@ DEFAULT_SPECS: tuple[ModelSpec, ...] = (
         mean="none",
         presmooth=2.0,
         solver=SolverConfig(method="anderson", tol=1e-4, max_iter=100),
+    ),
+)
+
+
+#: grown architectures (``kdeq.guidenet``), trained from their kGLM start with ``kdeq train --spec NAME``
+GROWN_SPECS: tuple[ModelSpec, ...] = (
+    ModelSpec.model_validate(
+        {
+            **DEFAULT_SPECS[0].model_dump(),
+            "name": "denoise-kglm-net",
+            "description": "Adaptive-kernel kGLM denoiser whose guide and mean come from a small learned "
+            "network (grey or colour, any size); σ given or estimated.",
+            "architecture": {**DEFAULT_SPECS[0].architecture.model_dump(), "net": GuideNet().model_dump()},
+        }
     ),
 )
 

@@ -58,6 +58,7 @@ class Prediction:
         sigma: noise level used per sample on the 0–255 scale ``(B,)`` (denoise), else ``None``.
         mask: foreground ``(B, 1, H, W)`` bool (segment), else ``None``.
         threshold: binarisation threshold per sample ``(B,)`` (segment), else ``None``.
+        pilot: the guide network's pilot image ``(B, c, H, W)`` (a denoiser with one), else ``None``.
     """
 
     output: torch.Tensor
@@ -66,6 +67,7 @@ class Prediction:
     sigma: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
+    pilot: torch.Tensor | None = None
 
 
 def pad_images(images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:

@@ -214,7 +214,7 @@ def test_training_gradient_matches_finite_differences() -> None:
     dirs = {k: torch.randn(p.shape, generator=gen) for k, p in model.raw.items()}
 
     def loss() -> torch.Tensor:
-        out, _, _ = model(batch, tight)
+        out, _, _, _ = model(batch, tight)
         return (out - clean).square().mean()
 
     value = loss()

@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-tol", type=float)
     p.add_argument("--eval-max-iter", type=int)
     p.add_argument("--backward", choices=("implicit", "jacobian_free"), default="implicit")
+    p.add_argument(
+        "--pilot-loss", type=float, default=1.0, help="weight of a guide network's pilot in the loss"
+    )
+    p.add_argument(
+        "--pilot-epochs", type=int, default=0, help="first epochs train a guide network's pilot alone"
+    )
     p.add_argument("--min-converged", type=float, default=0.5)
     p.add_argument("--max-rollbacks", type=int, default=20)
     p.add_argument("--val-levels", type=_floats, default=(), metavar="A,B,…")

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kdeq.checkpoint import ModelSpec
 from kdeq.implicit import Backward
-from kdeq.initialize import DEFAULT_SPECS
+from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS
 from kdeq.train.data import MaskKind
 
 
@@ -36,6 +36,10 @@ class TrainConfig(BaseModel):
         train_tol, train_max_iter: forward-solver settings while training (``None``: the model's).
         eval_tol, eval_max_iter: solver settings for validation (``None``: the model's).
         backward: ``implicit`` or ``jacobian_free`` gradients.
+        pilot_loss: weight of the guide network's pilot in the loss (``loss(output) + w·loss(pilot)``;
+            models with a guide network only).
+        pilot_epochs: the first epochs train the guide network on its pilot alone, without the
+            solve (several times cheaper a step); later epochs train the whole model.
         min_converged: fraction of a batch's solves that must converge; below it (or with a non-finite
             loss or gradient) the step is rolled back to the last good state and the step size halved.
         max_rollbacks: stop with an error after this many rollbacks.
@@ -75,6 +79,8 @@ class TrainConfig(BaseModel):
     eval_tol: float | None = Field(None, gt=0)
     eval_max_iter: int | None = Field(None, ge=1)
     backward: Backward = "implicit"
+    pilot_loss: float = Field(1.0, ge=0)
+    pilot_epochs: int = Field(0, ge=0)
     min_converged: float = Field(0.5, ge=0, le=1)
     max_rollbacks: int = Field(20, ge=0)
     val_levels: tuple[float, ...] = ()
@@ -111,7 +117,7 @@ class TrainConfig(BaseModel):
 
     def model_spec(self) -> ModelSpec:
         """The ``ModelSpec`` named by ``spec``, renamed to ``out``'s ``<name>/<version>``."""
-        defaults = {s.name: s for s in DEFAULT_SPECS}
+        defaults = {s.name: s for s in DEFAULT_SPECS + GROWN_SPECS}
         if self.spec in defaults:
             base = defaults[self.spec]
         else:

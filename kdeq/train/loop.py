@@ -145,7 +145,8 @@ class EpochTotals:
 
 
 def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
-    """The scheduled step size: linear warm-up, then cosine (or constant) from ``lr`` to 0."""
+    """The scheduled step size at ``step`` of a phase of ``total`` steps: linear warm-up, then cosine
+    (or constant) from ``lr`` to 0."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -204,7 +205,9 @@ def _save_state(
     """Parameters and Adam's moments (safetensors) and the counters (JSON), replaced atomically."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {f"param.{k}": v.detach().cpu().contiguous() for k, v in model.named_parameters()}
-    names = [k for k, _ in model.named_parameters()]
+    # Adam indexes its state in its groups' order, not named_parameters': label each with its own name
+    by_id = {id(p): k for k, p in model.named_parameters()}
+    names = [by_id[id(p)] for group in opt.param_groups for p in group["params"]]
     for i, name in enumerate(names):
         for key, value in opt.state_dict()["state"].get(i, {}).items():
             tensors[f"adam.{name}.{key}"] = value.detach().cpu().contiguous()
@@ -332,6 +335,13 @@ def _train(
     per_step = cfg.batch_size * rank.world
     steps_per_epoch = math.ceil(cfg.samples_per_epoch / per_step)
     total = steps_per_epoch * cfg.epochs
+    # pilot-only epochs and the rest are two phases, each with its own warm-up and decay: the mean
+    # mixing and λ only move in the second, which a schedule spent on the first would starve
+    split = steps_per_epoch * min(cfg.pilot_epochs, cfg.epochs)
+
+    def phase_lr(step: int) -> float:
+        return lr_at(cfg, step, split) if step < split else lr_at(cfg, step - split, total - split)
+
     train_override = SolverOverride(tol=cfg.train_tol, max_iter=cfg.train_max_iter)
     score = "iou" if cfg.task == "segment" else "psnr"
     start_outputs: list[torch.Tensor] = []
@@ -367,13 +377,15 @@ def _train(
             bar.set_description(f"epoch {epoch}/{cfg.epochs}")
         for batch in loader:
             batch = _to(batch, device)
-            base_lr = lr_at(cfg, hist.step, total) * hist.lr_factor
+            base_lr = phase_lr(hist.step) * hist.lr_factor
             for g in opt.param_groups:
                 g["lr"] = base_lr * g["scale"]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
-                out, iterations, converged = net(batch, train_override)
+                out, iterations, converged, pilot = net(batch, train_override, epoch <= cfg.pilot_epochs)
                 loss = loss_fn(cfg.task, cfg.loss, out, batch["target"])
+                if pilot is not None and cfg.pilot_loss > 0:
+                    loss = loss + cfg.pilot_loss * loss_fn(cfg.task, cfg.loss, pilot, batch["target"])
                 opt.zero_grad(set_to_none=False)
                 loss.backward()
             # the adjoint solve's shortfalls are counted, not printed at every step; others pass through
@@ -382,7 +394,9 @@ def _train(
                     sums.backward_nonconverged += 1
                 else:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+            grads_ok = all(
+                bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None
+            )
             verdict = torch.tensor(
                 [
                     float(not (bool(torch.isfinite(loss)) and grads_ok)),
@@ -425,7 +439,7 @@ def _train(
                 "rollbacks": hist.rollbacks,
                 "backward_nonconverged_steps": sums.backward_nonconverged,
                 "psd_truncated_steps": model.truncated_steps - truncated_before,
-                "lr": lr_at(cfg, hist.step - 1, total) * hist.lr_factor,
+                "lr": phase_lr(hist.step - 1) * hist.lr_factor,
                 "seconds": time.perf_counter() - epoch_start,
                 **metrics,
             }

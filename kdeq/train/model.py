@@ -22,7 +22,11 @@ constrained views of the parameters:
 - the guide's smoothing taps (guided) are symmetric;
 - a guided model also learns ``log`` factors on ``λ`` and on the bandwidth ``h``
   (its normalised kernel is blind to the scale of ``spatial``, so ``λ`` needs its own);
-  ``export`` folds them back into the ``λ`` rule and the kernel's ``bandwidth``.
+  ``export`` folds them back into the ``λ`` rule and the kernel's ``bandwidth``;
+- a guided model with a guide network (``kdeq.guidenet``) learns the network, its mean mixing and
+  the ``λ`` factor; its kernel taps, guide smoothing and bandwidth stay at their start, so the
+  weight maps need no autograd (their gradient would cost tens of times the network's). The
+  trainer adds the pilot's own loss (``pilot_loss``), through which the guide is learned.
 """
 
 from __future__ import annotations
@@ -81,10 +85,14 @@ def _as_bank(t: torch.Tensor) -> torch.Tensor:
 
 def random_tensors(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
     """Random tensors for ``spec``'s architecture: i.i.d. normal, symmetrised where the model needs it,
-    each scaled to the spectral norm (circular, 64² grid) or ℓ2 norm of the kGLM initialisation's."""
+    each scaled to the spectral norm (circular, 64² grid) or ℓ2 norm of the kGLM initialisation's;
+    a guide network's tensors from ``GuideNet.random_start``."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
+    net = getattr(spec.architecture, "net", None)
     for name, ref in init_tensors(spec).items():
+        if name.startswith("net_"):
+            continue
         t = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
         if name in ("w1", "spatial", "smoothing"):
             t = symmetrize(t)
@@ -95,6 +103,8 @@ def random_tensors(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
         else:
             scale = float(ref.norm() / t.norm())
         out[name] = (t * scale).to(torch.float32)
+    if net is not None:
+        out.update(net.random_start(seed))
     return out
 
 
@@ -102,7 +112,8 @@ class TrainableModel(nn.Module):
     """``spec``'s predictor with ``tensors`` as parameters; see the module docstring.
 
     ``forward(inputs)`` takes a batch from ``kdeq.train.data`` and returns the
-    prediction's ``(output, iterations, converged)`` (shapes ``(B, c, H, W)``, ``(B,)``, ``(B,)``).
+    prediction's ``(output, iterations, converged, pilot)`` (shapes ``(B, c, H, W)``, ``(B,)``,
+    ``(B,)``, and ``(B, c, H, W)`` or ``None`` without a guide network).
     """
 
     def __init__(
@@ -122,11 +133,20 @@ class TrainableModel(nn.Module):
             if not self.tied:
                 lam = spec.lam.value
                 raw["dw"], raw["dv"] = (w2 - raw["w1"]) / lam, (raw["v2"] - v1) / lam
+        self.has_net = self.guided and spec.architecture.net is not None
+        frozen_names = ("spatial", "smoothing") if self.has_net else ()
         self.raw = nn.ParameterDict(
-            {k: nn.Parameter(v.to(device, torch.float32).clone()) for k, v in raw.items()}
+            {
+                k: nn.Parameter(v.to(device, torch.float32).clone(), requires_grad=k not in frozen_names)
+                for k, v in raw.items()
+            }
         )
         self.log_lam = nn.Parameter(torch.zeros((), device=device)) if self.guided else None
-        self.log_bandwidth = nn.Parameter(torch.zeros((), device=device)) if self.guided else None
+        self.log_bandwidth = (
+            nn.Parameter(torch.zeros((), device=device), requires_grad=not self.has_net)
+            if self.guided
+            else None
+        )
         config = ModelConfig(
             **spec.model_dump(),
             format_version=FORMAT_VERSION,
@@ -144,9 +164,11 @@ class TrainableModel(nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         """The checkpoint tensors: constrained views of the parameters (differentiable)."""
         if self.guided:
+            fixed = ("spatial", "smoothing")
             return {
                 "spatial": symmetrize(self.raw["spatial"]),
                 "smoothing": symmetrize(self.raw["smoothing"]),
+                **{k: v for k, v in self.raw.items() if k not in fixed},
             }
         w1, v2 = symmetrize(self.raw["w1"]), self.raw["v2"]
         if self.tied:
@@ -161,10 +183,30 @@ class TrainableModel(nn.Module):
             self.predictor.bandwidth_scale = self.log_bandwidth.exp()
 
     def forward(
-        self, inputs: dict[str, torch.Tensor], solver: SolverOverride | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, inputs: dict[str, torch.Tensor], solver: SolverOverride | None = None, pilot_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        if pilot_only:
+            return self.pilot(inputs)
         pred = self.run(inputs, solver)
-        return pred.output, pred.stats.iterations, pred.stats.converged
+        return pred.output, pred.stats.iterations, pred.stats.converged, pred.pilot
+
+    def pilot(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        """The guide network's pilot alone as ``forward``'s output (no solve: 0 iterations, converged)."""
+        if not self.has_net:
+            raise ValueError("pilot-only steps need a model with a guide network")
+        self._bind()
+        p = self.predictor
+        x = p.images(inputs["noisy"])
+        s = p.noise_level(x, inputs["sigma"])
+        floor = self.spec.lam.min_sigma / 255.0 if isinstance(self.spec.lam, NoiseLambda) else 0.0
+        _, out = p.guide(x, s.clamp(min=floor))
+        n = x.shape[0]
+        return (
+            out,
+            torch.zeros(n, dtype=torch.long, device=x.device),
+            torch.ones(n, dtype=torch.bool, device=x.device),
+            None,
+        )
 
     def run(self, inputs: dict[str, torch.Tensor], solver: SolverOverride | None = None) -> Prediction:
         """The predictor's ``forward`` on one batch (``predict`` semantics when autograd is off)."""

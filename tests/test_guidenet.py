@@ -1,0 +1,322 @@
+"""The learned guide (``kdeq.guidenet``): the pilot against an independent network, the kGLM start
+equal to the closed-form denoiser, colour through the opponent basis, exact padded batches, checkpoint
+checks, and the trainer's pilot phase and second phase. Every test makes its own images."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from kdeq.checkpoint import Checkpoint, CheckpointError, ModelSpec, load_checkpoint, save_checkpoint
+from kdeq.cli import main as kdeq_main
+from kdeq.denoise import Denoiser
+from kdeq.guidenet import GuideNet, opponent, pilot
+from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS, init_checkpoint, init_tensors
+from kdeq.predictor import SolverOverride, pad_images
+from kdeq.train import TrainConfig, train
+from kdeq.train.data import Corruption, image_files, load_images, validation_set
+from kdeq.train.loop import lr_at
+from kdeq.train.model import TrainableModel, random_tensors
+from tests.test_train import smooth_images
+
+SMALL = GuideNet(depth=3, channels=8)
+
+
+def grown_spec(net: GuideNet = SMALL, name: str = "den-net") -> ModelSpec:
+    data = GROWN_SPECS[0].model_dump()
+    data.update(name=name)
+    data["architecture"]["net"] = net.model_dump()
+    return ModelSpec.model_validate(data)
+
+
+def trained_like(net: GuideNet, seed: int) -> dict[str, torch.Tensor]:
+    """Tensors of a network that has moved off its start: every layer, ``a`` and ``β`` non-zero."""
+    t = net.random_start(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name in t:
+        if name.endswith("_bias"):
+            t[name] = 0.05 * torch.randn(t[name].shape, generator=gen)
+    return t
+
+
+def reference_pilot(y: torch.Tensor, base: torch.Tensor, sigma: torch.Tensor, t: dict, net: GuideNet):
+    """The pilot of one grey image ``(1, 1, H, W)`` with even sides, by ``nn`` modules."""
+    layers: list[nn.Module] = [nn.PixelUnshuffle(2)]
+    convs = []
+    for i in range(net.depth):
+        w = t[f"net_{i}_weight"]
+        conv = nn.Conv2d(w.shape[1], w.shape[0], 3, padding=1)
+        conv.weight.data.copy_(w)
+        conv.bias.data.copy_(t[f"net_{i}_bias"])
+        convs.append(conv)
+    centred = y - y.mean()
+    h = layers[0](centred)
+    h = torch.cat([h, torch.full_like(h[:, :1], float(sigma))], dim=1)
+    for i, conv in enumerate(convs):
+        h = conv(h)
+        h = torch.relu(h) if i < net.depth - 1 else h
+    return base + t["net_skip"] * (y - base) + nn.PixelShuffle(2)(h)
+
+
+def test_pilot_matches_an_independent_network() -> None:
+    t = trained_like(SMALL, 0)
+    gen = torch.Generator().manual_seed(3)
+    y, base = torch.rand(1, 1, 20, 26, generator=gen), torch.rand(1, 1, 20, 26, generator=gen)
+    sigma = torch.tensor([0.1])
+    got = pilot(y, base, sigma, t, SMALL)
+    assert torch.allclose(got, reference_pilot(y, base, sigma, t, SMALL), atol=1e-6)
+
+
+def test_colour_is_denoised_per_opponent_channel() -> None:
+    q = opponent(3, torch.float64)
+    assert torch.allclose(q @ q.T, torch.eye(3, dtype=torch.float64), atol=1e-12)
+    assert torch.allclose(q[0], torch.full((3,), 3**-0.5, dtype=torch.float64))
+    t = trained_like(SMALL, 1)
+    gen = torch.Generator().manual_seed(4)
+    y, base = torch.rand(1, 3, 16, 18, generator=gen), torch.rand(1, 3, 16, 18, generator=gen)
+    sigma = torch.tensor([0.08])
+    got = pilot(y, base, sigma, t, SMALL)
+    qf = q.float()
+    parts = [
+        reference_pilot(
+            torch.einsum("c,bchw->bhw", qf[d], y)[:, None],
+            torch.einsum("c,bchw->bhw", qf[d], base)[:, None],
+            sigma,
+            t,
+            SMALL,
+        )
+        for d in range(3)
+    ]
+    want = torch.einsum("dc,bdhw->bchw", qf, torch.cat(parts, dim=1))
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_odd_sizes_keep_their_shape_and_each_image_its_own_level() -> None:
+    t = trained_like(SMALL, 2)
+    y = torch.rand(2, 1, 15, 21)
+    out = pilot(y, y, torch.tensor([0.05, 0.2]), t, SMALL)
+    assert out.shape == y.shape
+    alone = pilot(y[1:], y[1:], torch.tensor([0.2]), t, SMALL)
+    assert torch.allclose(out[1:], alone, atol=1e-6)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_the_kglm_start_is_the_closed_form_denoiser(tmp_path: Path, channels: int) -> None:
+    grown, _ = init_checkpoint(grown_spec(), tmp_path)
+    plain, _ = init_checkpoint(DEFAULT_SPECS[0], tmp_path)
+    x = torch.rand(2, channels, 30, 34, generator=torch.Generator().manual_seed(5))
+    a = Denoiser(load_checkpoint(grown)).predict(x, sigma=[15.0, 40.0])
+    b = Denoiser(load_checkpoint(plain)).predict(x, sigma=[15.0, 40.0])
+    assert torch.allclose(a.output, b.output, atol=1e-5)
+    assert torch.equal(a.stats.iterations, b.stats.iterations)
+    assert b.pilot is None and a.pilot is not None
+
+
+def test_a_padded_batch_gives_each_image_its_own_result(tmp_path: Path) -> None:
+    spec = grown_spec()
+    t = {**init_tensors(spec), **trained_like(SMALL, 6)}
+    t["net_mean_mix"] = torch.tensor([0.6])
+    directory = tmp_path / "m" / "1"
+    save_checkpoint(directory, spec, t)
+    model = Denoiser(load_checkpoint(directory))
+    gen = torch.Generator().manual_seed(7)
+    images = [torch.rand(1, 28, 33, generator=gen), torch.rand(1, 35, 24, generator=gen)]
+    batch, sizes = pad_images(images)
+    together = model.predict(batch, sigma=[20.0, 35.0], sizes=sizes)
+    for k, (im, (h, w)) in enumerate(zip(images, sizes, strict=True)):
+        alone = model.predict(im[None], sigma=[20.0, 35.0][k])
+        assert torch.allclose(together.output[k, :, :h, :w], alone.output[0], atol=1e-4)
+        assert torch.allclose(together.pilot[k, :, :h, :w], alone.pilot[0], atol=1e-5)
+
+
+def test_checkpoints_name_the_network_tensors(tmp_path: Path) -> None:
+    spec = grown_spec()
+    t = init_tensors(spec)
+    assert set(SMALL.shapes()) <= set(t)
+    for broken, why in (
+        ({k: v for k, v in t.items() if k != "net_skip"}, "missing \\['net_skip'\\]"),
+        ({**t, "net_0_weight": torch.zeros(8, 4, 3, 3)}, "net_0_weight"),
+    ):
+        with pytest.raises(CheckpointError, match=why):
+            save_checkpoint(tmp_path / "bad" / "1", spec, broken)
+    # a guided config without a network is written as before it could have one
+    assert "net" not in json.loads(DEFAULT_SPECS[0].model_dump_json())["architecture"]
+
+
+def test_random_and_kglm_starts_differ_where_they_should() -> None:
+    start, rand = SMALL.kglm_start(), random_tensors(grown_spec(), 0)
+    last = f"net_{SMALL.depth - 1}_weight"
+    assert not start[last].any() and rand[last].abs().sum() > 0
+    assert float(start["net_skip"]) == float(start["net_mean_mix"]) == 0.0
+    assert 0 < float(rand["net_skip"]) < 1 and 0 < float(rand["net_mean_mix"]) < 1
+    assert torch.equal(SMALL.kglm_start()["net_0_weight"], start["net_0_weight"])  # seeded
+
+
+def test_training_runs_a_pilot_phase_then_the_whole_model(tmp_path: Path) -> None:
+    train_dir = smooth_images(tmp_path / "train", 6, 40, 0)
+    val_dir = smooth_images(tmp_path / "val", 2, 32, 1)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(grown_spec().model_dump_json())
+    out = tmp_path / "models" / "den-net" / "1"
+    cfg = TrainConfig(
+        task="denoise",
+        spec=str(spec_file),
+        train=(train_dir,),
+        val=(val_dir,),
+        out=out,
+        epochs=3,
+        pilot_epochs=2,
+        samples_per_epoch=8,
+        batch_size=4,
+        patch_size=24,
+        sigma=(10.0, 40.0),
+        val_levels=(25.0,),
+        lr=1e-2,
+        device="cpu",
+        workers=0,
+    )
+    train(cfg)
+    epochs = json.loads((out / "report" / "metrics.json").read_text())["epochs"]
+    assert [e["train_iterations"] for e in epochs[1:3]] == [0.0, 0.0]  # the pilot alone: no solve
+    assert epochs[3]["train_iterations"] > 0
+    # the second phase's schedule starts again at the full step size
+    assert epochs[3]["lr"] == pytest.approx(lr_at(cfg, 1, 2))
+    assert epochs[2]["lr"] == pytest.approx(lr_at(cfg, 3, 4))
+    saved = load_checkpoint(out)
+    start = init_tensors(grown_spec())
+    assert torch.equal(saved.tensors["spatial"], start["spatial"])  # the kernel stays at its start
+    assert torch.equal(saved.tensors["smoothing"], start["smoothing"])
+    assert saved.tensors[f"net_{SMALL.depth - 1}_weight"].abs().sum() > 0
+    assert saved.config.architecture.net == SMALL
+
+
+def test_a_resumed_guided_run_equals_an_uninterrupted_one(tmp_path: Path) -> None:
+    # frozen tensors (no Adam state) and a second Adam group for the scalar factors
+    train_dir = smooth_images(tmp_path / "train", 4, 32, 0)
+    val_dir = smooth_images(tmp_path / "val", 1, 24, 1)
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(grown_spec().model_dump_json())
+
+    def cfg(out: Path, **changes: object) -> TrainConfig:
+        values = dict(
+            task="denoise",
+            spec=str(spec_file),
+            train=(train_dir,),
+            val=(val_dir,),
+            out=out,
+            epochs=2,
+            pilot_epochs=0,
+            samples_per_epoch=4,
+            batch_size=2,
+            patch_size=16,
+            val_levels=(25.0,),
+            lr=1e-2,
+            device="cpu",
+            workers=0,
+        )
+        return TrainConfig.model_validate({**values, **changes})
+
+    whole, parts = tmp_path / "a" / "den-net" / "1", tmp_path / "b" / "den-net" / "1"
+    train(cfg(whole))
+    train(cfg(parts, stop_after=1))
+    train(cfg(parts, resume=True))
+    a = (whole / "train-state" / "state.safetensors").read_bytes()
+    assert a == (parts / "train-state" / "state.safetensors").read_bytes()
+
+
+def test_calibrate_writes_the_best_bandwidth_by_validation(tmp_path: Path) -> None:
+    val_dir = smooth_images(tmp_path / "val", 2, 32, 1)
+    spec = grown_spec()
+    t = {**init_tensors(spec), **trained_like(SMALL, 8)}
+    source = tmp_path / "trained" / "den-net" / "1"
+    save_checkpoint(source, spec, t)
+    (source / "report").mkdir()
+    (source / "report" / "metrics.json").write_text("{}")
+    out = tmp_path / "models" / "den-net" / "1"
+    factors = (0.25, 1.0, 4.0)
+    assert (
+        kdeq_main(
+            [
+                "calibrate",
+                str(source),
+                "--out",
+                str(out),
+                "--val",
+                str(val_dir),
+                "--factors",
+                ",".join(map(str, factors)),
+                "--levels",
+                "20,40",
+            ]
+        )
+        == 0
+    )
+    report = json.loads((out / "report" / "calibration.json").read_text())
+    # each factor's score is the mean PSNR of that bandwidth, recomputed here independently
+    examples = validation_set(load_images(image_files([val_dir]), 1), Corruption("denoise"), (20.0, 40.0), 0)
+    base = load_checkpoint(source)
+    for f in factors:
+        data = base.config.model_dump()
+        data["architecture"]["kernel"]["bandwidth"] *= f
+        cfg = type(base.config).model_validate(data)
+        model = Denoiser(Checkpoint(cfg, base.tensors, source))
+        for level in (20.0, 40.0):
+            got = [
+                float(
+                    -10
+                    * torch.log10(
+                        (model.predict(e["noisy"][None], sigma=level).output.clamp(0, 1)[0] - e["target"])
+                        .square()
+                        .mean()
+                    )
+                )
+                for e in examples
+                if float(e["level"]) == level
+            ]
+            assert report["psnr"][f"{f:g}"][f"{level:g}"] == pytest.approx(sum(got) / len(got), abs=1e-4)
+    best = max(factors, key=lambda f: sum(report["psnr"][f"{f:g}"].values()))
+    saved = load_checkpoint(out)
+    assert report["chosen"] == best
+    assert saved.config.architecture.kernel.bandwidth == pytest.approx(
+        base.config.architecture.kernel.bandwidth * best
+    )
+    assert saved.config.weights_sha256 == base.config.weights_sha256
+    assert (out / "report" / "metrics.json").is_file()
+    assert (
+        kdeq_main(["calibrate", str(source), "--out", str(out), "--val", str(val_dir), "--factors", "1"]) == 2
+    )
+
+
+def test_gradients_of_the_mean_mixing_and_lambda_match_finite_differences() -> None:
+    """β and λ leave the guide alone, so their implicit gradients through the guided solve are the
+    loss's whole derivative: checked against central differences."""
+    spec = grown_spec()
+    t = {**init_tensors(spec), **trained_like(SMALL, 9)}
+    t["net_mean_mix"] = torch.tensor([0.4])
+    model = TrainableModel(spec, t, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(10)
+    clean = torch.rand(2, 1, 16, 18, generator=gen)
+    batch = {
+        "noisy": clean + 0.1 * torch.randn(clean.shape, generator=gen),
+        "sigma": torch.tensor([25.0, 25.0]),
+    }
+    tight = SolverOverride(tol=1e-7, max_iter=500)
+    params = [model.raw["net_mean_mix"], model.log_lam]
+
+    def loss() -> torch.Tensor:
+        out, _, _, _ = model(batch, tight)
+        return (out - clean).square().mean()
+
+    loss().backward()
+    for p in params:
+        analytic = p.grad.sum().item()
+        eps = 1e-3
+        with torch.no_grad():
+            p.add_(eps)
+            up = loss().item()
+            p.sub_(2 * eps)
+            down = loss().item()
+            p.add_(eps)
+        assert analytic == pytest.approx((up - down) / (2 * eps), rel=2e-2)
