@@ -25,7 +25,7 @@ constrained views of the parameters:
   ``export`` folds them back into the ``λ`` rule and the kernel's ``bandwidth``;
 - a guided model with a guide network (``kdeq.guidenet``) learns the network, its mean mixing and
   the ``λ`` factor; its kernel taps, guide smoothing and bandwidth stay at their start, so the
-  weight maps need no autograd (their gradient would cost tens of times the network's). The
+  weight maps need no autograd (without it the solve already costs ~4× the network per step). The
   trainer adds the pilot's own loss (``pilot_loss``), through which the guide is learned.
 """
 
