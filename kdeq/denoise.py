@@ -86,17 +86,31 @@ class Denoiser(Predictor):
         x = self.images(images)
         valid = valid_region(x, sizes)
         s = self.noise_level(x, sigma, sizes)
-        rule = self.config.lam
         lam = self.lam(s)
         cfg = self.solver(solver)
         if isinstance(self.config.architecture, GuidedArchitecture):
-            floor = rule.min_sigma / 255.0 if isinstance(rule, NoiseLambda) else 0.0
-            layer, mean, pilot_image = self._guided(x, s.clamp(min=floor), lam, sizes, valid)
+            layer, mean, pilot_image = self._guided(x, self._guide_level(s), lam, sizes, valid)
             out = layer(x, mean=mean, mean_out=mean, solver=cfg)
             return Prediction(out.eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
         layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x, valid, sizes)
         out = layer(x, mean=mean, mean_out=mean, mask=valid, solver=cfg)
         return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
+
+    def _guide_level(self, s: torch.Tensor) -> torch.Tensor:
+        """``σ`` ``(B,)`` floored as the ``λ`` rule floors it, for the guide and its bandwidth."""
+        rule = self.config.lam
+        return s.clamp(min=rule.min_sigma / 255.0) if isinstance(rule, NoiseLambda) else s
+
+    def pilot_only(
+        self, images: torch.Tensor, sigma: float | Sequence[float] | torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The guide network's pilot ``p`` ``(B, c, H, W)`` of ``images`` alone, without the solve
+        (the trainer's pilot phase); ``sigma`` as in ``forward``."""
+        arch = self.config.architecture
+        if not isinstance(arch, GuidedArchitecture) or arch.net is None:
+            raise ValueError(f"{self.name} has no guide network")
+        x = self.images(images)
+        return self.guide(x, self._guide_level(self.noise_level(x, sigma)))[1]
 
     def guide(
         self, x: torch.Tensor, s: torch.Tensor, sizes: Sizes | None = None

@@ -19,7 +19,7 @@ from kdeq.train import TrainConfig, train
 from kdeq.train.data import Corruption, image_files, load_images, validation_set
 from kdeq.train.loop import lr_at
 from kdeq.train.model import TrainableModel, random_tensors
-from tests.test_train import smooth_images
+from tests.test_train import small_config, smooth_images
 
 SMALL = GuideNet(depth=3, channels=8)
 
@@ -160,22 +160,8 @@ def test_training_runs_a_pilot_phase_then_the_whole_model(tmp_path: Path) -> Non
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(grown_spec().model_dump_json())
     out = tmp_path / "models" / "den-net" / "1"
-    cfg = TrainConfig(
-        task="denoise",
-        spec=str(spec_file),
-        train=(train_dir,),
-        val=(val_dir,),
-        out=out,
-        epochs=3,
-        pilot_epochs=2,
-        samples_per_epoch=8,
-        batch_size=4,
-        patch_size=24,
-        sigma=(10.0, 40.0),
-        val_levels=(25.0,),
-        lr=1e-2,
-        device="cpu",
-        workers=0,
+    cfg = small_config(
+        (train_dir, val_dir), out, spec=str(spec_file), epochs=3, pilot_epochs=2, samples_per_epoch=8, lr=1e-2
     )
     train(cfg)
     epochs = json.loads((out / "report" / "metrics.json").read_text())["epochs"]
@@ -200,23 +186,16 @@ def test_a_resumed_guided_run_equals_an_uninterrupted_one(tmp_path: Path) -> Non
     spec_file.write_text(grown_spec().model_dump_json())
 
     def cfg(out: Path, **changes: object) -> TrainConfig:
-        values = dict(
-            task="denoise",
+        return small_config(
+            (train_dir, val_dir),
+            out,
             spec=str(spec_file),
-            train=(train_dir,),
-            val=(val_dir,),
-            out=out,
-            epochs=2,
-            pilot_epochs=0,
             samples_per_epoch=4,
             batch_size=2,
             patch_size=16,
-            val_levels=(25.0,),
             lr=1e-2,
-            device="cpu",
-            workers=0,
+            **changes,
         )
-        return TrainConfig.model_validate({**values, **changes})
 
     whole, parts = tmp_path / "a" / "den-net" / "1", tmp_path / "b" / "den-net" / "1"
     train(cfg(whole))

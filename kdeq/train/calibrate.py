@@ -31,6 +31,7 @@ from kdeq.checkpoint import (
 )
 from kdeq.denoise import Denoiser
 from kdeq.train.data import Corruption, image_files, load_images, validation_set
+from kdeq.train.loop import psnr
 
 
 def with_bandwidth(checkpoint: Checkpoint, factor: float) -> Checkpoint:
@@ -49,9 +50,8 @@ def score(checkpoint: Checkpoint, examples: Sequence[dict[str, torch.Tensor]]) -
     model = Denoiser(checkpoint)
     per_level: dict[float, list[float]] = {}
     for ex in examples:
-        out = model.predict(ex["noisy"][None], sigma=float(ex["sigma"])).output.clamp(0, 1)
-        mse = (out[0] - ex["target"]).square().mean()
-        per_level.setdefault(float(ex["level"]), []).append(float(-10 * torch.log10(mse)))
+        out = model.predict(ex["noisy"][None], sigma=float(ex["sigma"])).output
+        per_level.setdefault(float(ex["level"]), []).append(psnr(out, ex["target"][None]).item())
     return {level: sum(v) / len(v) for level, v in per_level.items()}
 
 

@@ -192,19 +192,13 @@ class TrainableModel(nn.Module):
 
     def pilot(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         """The guide network's pilot alone as ``forward``'s output (no solve: 0 iterations, converged)."""
-        if not self.has_net:
-            raise ValueError("pilot-only steps need a model with a guide network")
         self._bind()
-        p = self.predictor
-        x = p.images(inputs["noisy"])
-        s = p.noise_level(x, inputs["sigma"])
-        floor = self.spec.lam.min_sigma / 255.0 if isinstance(self.spec.lam, NoiseLambda) else 0.0
-        _, out = p.guide(x, s.clamp(min=floor))
-        n = x.shape[0]
+        out = self.predictor.pilot_only(inputs["noisy"], inputs["sigma"])
+        n = out.shape[0]
         return (
             out,
-            torch.zeros(n, dtype=torch.long, device=x.device),
-            torch.ones(n, dtype=torch.bool, device=x.device),
+            torch.zeros(n, dtype=torch.long, device=out.device),
+            torch.ones(n, dtype=torch.bool, device=out.device),
             None,
         )
 
