@@ -1,15 +1,17 @@
 """Does fine-tuning pay off? Checkpoints side by side on the quality benchmark's protocol.
 
     .venv/bin/python bench/finetune.py --task denoise START TUNED [RANDOM …] [--bsd68] [--cbsd68 N] [--blind]
-    .venv/bin/python bench/finetune.py --task inpaint START TUNED [RANDOM …]
+    .venv-bench/bin/python bench/finetune.py --task inpaint START TUNED [RANDOM …] [--biharmonic]
 
 Each argument is a checkpoint folder (``models/<name>/<version>``). Denoise: Set12 at
 σ = 15/25/50 (and BSD68 at σ = 25 with ``--bsd68``, the first ``N`` CBSD68 images at σ = 25 with
 ``--cbsd68 N``), σ given to the model or, with ``--blind``, estimated by it per image; inpaint:
-Set12 with 50 % and 80 % random pixels missing, PSNR on the missing pixels. Noise and masks are
-``bench/baselines.py``'s (seed = image index), so the figures line up with ``bench/quality.py``'s.
-Prints a Markdown table: mean PSNR (dB), mean solver iterations, converged count, and for a model
-with a guide network the PSNR of its pilot alone.
+Set12 with 50 % and 80 % random pixels missing and with three brush strokes (the trainer's
+``stroke_mask``), PSNR on the missing pixels, and with ``--biharmonic`` scikit-image's biharmonic
+inpainting beside them (``.venv-bench``). Noise and random masks are ``bench/baselines.py``'s
+(seed = image index), so the figures line up with ``bench/quality.py``'s. Prints a Markdown table:
+mean PSNR (dB), mean solver iterations, converged count, and for a model with a network the PSNR
+of its pilot alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import baselines as B
 from quality import to_numpy, to_tensor
 
 from kdeq.repository import load_predictor
+from kdeq.train.data import stroke_mask
 
 
 def cases(
@@ -52,6 +55,11 @@ def cases(
             out.append(
                 (f"Set12 {frac:.0%} random", [(c, c, m) for (_, c), m in zip(images, masks, strict=True)])
             )
+        strokes = [
+            stroke_mask(c.shape[:2], torch.Generator().manual_seed(i)).numpy()
+            for i, (_, c) in enumerate(images)
+        ]
+        out.append(("Set12 brush strokes", [(c, c, m) for (_, c), m in zip(images, strokes, strict=True)]))
     return out
 
 
@@ -68,6 +76,8 @@ def score(
     else:
         pred = model.predict(to_tensor(y), torch.from_numpy(extra)[None, None])
         value = B.psnr(to_numpy(pred.output), clean, extra)
+        if pred.pilot is not None:
+            pilot = B.psnr(to_numpy(pred.pilot), clean, extra)
     return value, int(pred.stats.iterations.item()), bool(pred.stats.converged.item()), pilot
 
 
@@ -78,6 +88,7 @@ def main() -> None:
     parser.add_argument("--bsd68", action="store_true")
     parser.add_argument("--cbsd68", type=int, default=0, metavar="N", help="the first N CBSD68 images")
     parser.add_argument("--blind", action="store_true", help="the models estimate σ per image")
+    parser.add_argument("--biharmonic", action="store_true", help="inpaint: biharmonic inpainting beside")
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
@@ -85,8 +96,13 @@ def main() -> None:
         f"σ {'estimated' if args.blind else 'given'}"
     )
     models = [(str(p), load_predictor(p)) for p in args.checkpoints]
-    print("| data | " + " | ".join(f"`{name}`" for name, _ in models) + " |")
-    print("|---|" + "---|" * len(models))
+    baseline = args.biharmonic and args.task == "inpaint"
+    print(
+        "| data | "
+        + " | ".join(f"`{name}`" for name, _ in models)
+        + (" | biharmonic |" if baseline else " |")
+    )
+    print("|---|" + "---|" * (len(models) + baseline))
     for label, items in cases(args.task, args.bsd68, args.cbsd68):
         cells = []
         for _, model in models:
@@ -96,6 +112,8 @@ def main() -> None:
             if not np.isnan(pilots).any():
                 cell += f", pilot {np.mean(pilots):.2f} dB"
             cells.append(cell)
+        if baseline:
+            cells.append(f"{np.mean([B.psnr(B.biharmonic(c, m), c, m) for c, _, m in items]):.2f} dB")
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
 

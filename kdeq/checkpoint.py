@@ -53,26 +53,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class ConvArchitecture(_Strict):
-    """Stationary kernel as convolutions (Corollary 11): tensors ``w1, w2, v1, v2`` ``(c, c, 2R+1, 2R+1)``,
-    the layer's maps being ``W1 = −w1/λ``, ``W2 = w2/λ``, ``V1 = −v1/λ``, ``V2 = v2/λ``; all equal
-    ``kernel``'s filter bank at the kGLM initialisation. ``c = 1`` applies one kernel to every image
-    channel; ``c > 1`` is a coregionalised kernel over exactly ``c`` image channels."""
-
-    kind: Literal["conv"] = "conv"
-    kernel: Coregional
-    padding: Padding = "zeros"
-
-
-class GuidedArchitecture(_Strict):
-    """Adaptive kernel on ``(position, guide patch)`` (DESIGN §2.5): tensors ``spatial`` ``(2R+1, 2R+1)``
-    (the taps of ``k_s``) and ``smoothing`` ``(L,)`` (1-D taps pre-smoothing the guide, ``L`` odd).
-    With ``net`` the guide is a learned pilot image (``kdeq.guidenet``), with the network's tensors."""
-
-    kind: Literal["guided"] = "guided"
-    kernel: GuidedKernel
-    smoothing: float = Field(0.7, ge=0)
-    net: GuideNet | None = None
+class _MayHaveNet(_Strict):
+    """An architecture with an optional learned network as its last field, ``net``."""
 
     @model_serializer(mode="wrap")
     def _omit_absent_net(self, handler: SerializerFunctionWrapHandler) -> dict:
@@ -81,6 +63,30 @@ class GuidedArchitecture(_Strict):
         if self.net is None:
             data.pop("net", None)
         return data
+
+
+class ConvArchitecture(_MayHaveNet):
+    """Stationary kernel as convolutions (Corollary 11): tensors ``w1, w2, v1, v2`` ``(c, c, 2R+1, 2R+1)``,
+    the layer's maps being ``W1 = −w1/λ``, ``W2 = w2/λ``, ``V1 = −v1/λ``, ``V2 = v2/λ``; all equal
+    ``kernel``'s filter bank at the kGLM initialisation. ``c = 1`` applies one kernel to every image
+    channel; ``c > 1`` is a coregionalised kernel over exactly ``c`` image channels. With ``net``
+    (inpaint only) the prior mean is a learned pilot image (``kdeq.guidenet``)."""
+
+    kind: Literal["conv"] = "conv"
+    kernel: Coregional
+    padding: Padding = "zeros"
+    net: GuideNet | None = None
+
+
+class GuidedArchitecture(_MayHaveNet):
+    """Adaptive kernel on ``(position, guide patch)`` (DESIGN §2.5): tensors ``spatial`` ``(2R+1, 2R+1)``
+    (the taps of ``k_s``) and ``smoothing`` ``(L,)`` (1-D taps pre-smoothing the guide, ``L`` odd).
+    With ``net`` the guide is a learned pilot image (``kdeq.guidenet``), with the network's tensors."""
+
+    kind: Literal["guided"] = "guided"
+    kernel: GuidedKernel
+    smoothing: float = Field(0.7, ge=0)
+    net: GuideNet | None = None
 
 
 Architecture = Annotated[ConvArchitecture | GuidedArchitecture, Field(discriminator="kind")]
@@ -119,7 +125,8 @@ class ModelSpec(_Strict):
     Attributes:
         name, version: the repository path ``models/<name>/<version>``.
         task: ``denoise`` | ``inpaint`` | ``segment`` (fixes the family: Gaussian, Gaussian, Bernoulli).
-        architecture: ``conv`` (stationary) or ``guided`` (adaptive, denoise only).
+        architecture: ``conv`` (stationary) or ``guided`` (adaptive, denoise only), either with a
+            learned network (``kdeq.guidenet``): the guided denoiser's guide or the inpainter's mean.
         lam: the ``λ`` rule (``noise`` needs a noise level: denoise only).
         mean: Appendix H mean ``m``: ``none``; ``global`` (per-channel image mean);
             ``local`` (the kernel's own normalised average ``D⁻¹K y``, guided only);
@@ -149,6 +156,16 @@ class ModelSpec(_Strict):
             raise ValueError(
                 "mean 'local' is the guided kernel's own average; use it with a guided architecture"
             )
+        net = self.architecture.net
+        if net is not None:
+            wanted = "sigma" if guided else "mask"
+            if net.condition != wanted or (not guided and self.task != "inpaint"):
+                raise ValueError(
+                    "a network is the guided denoiser's guide (condition 'sigma') or the conv "
+                    "inpainter's mean (condition 'mask')"
+                )
+            if not guided and self.mean != "normalized_convolution":
+                raise ValueError("the inpainter's network adds to the normalized_convolution mean")
         if self.lam.rule == "noise" and self.task != "denoise":
             raise ValueError("the noise λ rule needs a noise level, which only the denoise task has")
         if self.solver.method == "cg" and self.task == "segment":
@@ -199,11 +216,13 @@ class Checkpoint:
 def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...] | None]:
     """Tensor names with their shapes (``None``: a 1-D tensor of odd length) for ``spec``'s architecture."""
     arch = spec.architecture
+    out: dict[str, tuple[int, ...] | None]
     if isinstance(arch, ConvArchitecture):
         c, k = arch.kernel.channels, 2 * arch.kernel.radius + 1
-        return {name: (c, c, k, k) for name in ("w1", "w2", "v1", "v2")}
-    k = 2 * arch.kernel.spatial.radius + 1
-    out: dict[str, tuple[int, ...] | None] = {"spatial": (k, k), "smoothing": None}
+        out = {name: (c, c, k, k) for name in ("w1", "w2", "v1", "v2")}
+    else:
+        k = 2 * arch.kernel.spatial.radius + 1
+        out = {"spatial": (k, k), "smoothing": None}
     if arch.net is not None:
         out.update(arch.net.shapes())
     return out

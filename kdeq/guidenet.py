@@ -17,11 +17,23 @@ Each channel is denoised on its own, in the orthonormal opponent basis of the
 image's channels for colour (luminance and two colour differences, where noise
 stays i.i.d. with the same ``σ``), with its mean removed: one grey network
 serves grey and colour images alike.
+
+The inpainter's network (``condition = "mask"``) is the same CNN with the
+unshuffled observed mask ``M`` in place of the ``σ`` map. Its pilot of an image
+``y`` observed on ``M``,
+
+    p = b + N_θ(M·(y − ȳ_O), M),      b = the normalised-convolution mean of y_O,
+
+is the kGLM inpainter's prior mean ``m`` (``kdeq.inpaint``): at a missing pixel
+the output is ``p + K_{·O}(K_OO + λI)⁻¹(y_O − p_O)``, the pilot corrected by the
+kernel-ridge interpolation of its residual on the observed pixels. At the kGLM
+start ``p = b`` and the model is the closed-form inpainter.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,33 +41,38 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class GuideNet(BaseModel):
-    """Shape of ``N_θ``: ``depth`` convolutions (``depth − 1`` followed by ReLU) of ``channels`` features.
+    """Shape of ``N_θ``: ``depth`` convolutions (``depth − 1`` followed by ReLU) of ``channels`` features,
+    conditioned on the noise level (``sigma``: the denoiser's guide) or the observed mask (``mask``:
+    the inpainter's mean).
 
     Its tensors: ``net_<i>_weight`` ``(out, in, 3, 3)`` and ``net_<i>_bias`` ``(out,)`` for
-    ``i < depth`` (``in = 5`` first, ``out = 4`` last), ``net_skip`` ``(1,)`` (``a``), and
-    ``net_mean_mix`` ``(1,)``: the denoiser's mean is ``(1 − β)·D⁻¹K y + β·p`` (``kdeq.denoise``).
+    ``i < depth`` (``in = 5`` first for ``sigma``, ``8`` for ``mask``; ``out = 4`` last); for
+    ``sigma`` also ``net_skip`` ``(1,)`` (``a``) and ``net_mean_mix`` ``(1,)``: the denoiser's mean is
+    ``(1 − β)·D⁻¹K y + β·p`` (``kdeq.denoise``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     depth: int = Field(10, ge=2, le=32)
     channels: int = Field(64, ge=4, le=256)
+    condition: Literal["sigma", "mask"] = "sigma"
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor names and shapes, in layer order."""
         out: dict[str, tuple[int, ...]] = {}
         for i in range(self.depth):
-            cin = 5 if i == 0 else self.channels
+            cin = (5 if self.condition == "sigma" else 8) if i == 0 else self.channels
             cout = 4 if i == self.depth - 1 else self.channels
             out[f"net_{i}_weight"] = (cout, cin, 3, 3)
             out[f"net_{i}_bias"] = (cout,)
-        out["net_skip"] = (1,)
-        out["net_mean_mix"] = (1,)
+        if self.condition == "sigma":
+            out["net_skip"] = (1,)
+            out["net_mean_mix"] = (1,)
         return out
 
     def kglm_start(self, seed: int = 0) -> dict[str, torch.Tensor]:
-        """Tensors at the kGLM start (``p = b``, mean ``D⁻¹K y``): He-normal hidden layers (seeded, so
-        a rebuild is identical), zero biases, a zero last layer and ``a = β = 0``."""
+        """Tensors at the kGLM start (``p = b``): He-normal hidden layers (seeded, so a rebuild is
+        identical), zero biases, a zero last layer and ``a = β = 0``."""
         gen = torch.Generator().manual_seed(seed)
         out = {}
         for name, shape in self.shapes().items():
@@ -95,26 +112,61 @@ def opponent(c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (t / t.norm(dim=1, keepdim=True)).to(dtype)
 
 
-def pilot(
-    y: torch.Tensor, base: torch.Tensor, sigma: torch.Tensor, tensors: dict[str, torch.Tensor], net: GuideNet
+def _unshuffle(v: torch.Tensor) -> torch.Tensor:
+    """``(N, k, H, W)`` → ``(N, 4k, ⌈H/2⌉, ⌈W/2⌉)``; odd sizes are extended by replicating one row or
+    column so that the 2×2 unshuffle tiles the image."""
+    ph, pw = v.shape[-2] % 2, v.shape[-1] % 2
+    return F.pixel_unshuffle(F.pad(v, (0, pw, 0, ph), mode="replicate") if ph or pw else v, 2)
+
+
+def _network(
+    h: torch.Tensor, tensors: dict[str, torch.Tensor], net: GuideNet, size: tuple[int, int]
 ) -> torch.Tensor:
-    """``p = b + a·(y − b) + N_θ(y, σ)`` ``(B, c, H, W)`` for ``y`` and ``b`` ``(B, c, H, W)``, ``σ``
-    ``(B,)`` in [0, 1] units; see the module docstring."""
-    bsz, c, height, width = y.shape
-    q = opponent(c, y.dtype).to(y.device)
-    u = torch.einsum("dc,bchw->bdhw", q, y).reshape(bsz * c, 1, height, width)
-    ub = torch.einsum("dc,bchw->bdhw", q, base).reshape(bsz * c, 1, height, width)
-    level = u.mean(dim=(2, 3), keepdim=True)
-    # odd sizes are mirrored by one row or column so that the 2×2 unshuffle tiles the image
-    ph, pw = height % 2, width % 2
-    v = F.pad(u - level, (0, pw, 0, ph), mode="replicate") if ph or pw else u - level
-    s = sigma.to(y.dtype).repeat_interleave(c).reshape(-1, 1, 1, 1)
-    h = F.pixel_unshuffle(v, 2)
-    h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
+    """``N_θ`` on its unshuffled input ``h`` ``(N, 5 or 8, H', W')``, shuffled back and cropped to
+    ``size``: ``(N, 1, H, W)``."""
     for i in range(net.depth):
         h = F.conv2d(h, tensors[f"net_{i}_weight"], tensors[f"net_{i}_bias"], padding=1)
         if i < net.depth - 1:
             h = F.relu(h)
-    r = F.pixel_shuffle(h, 2)[..., :height, :width]
-    p = ub + tensors["net_skip"] * (u - ub) + r
+    return F.pixel_shuffle(h, 2)[..., : size[0], : size[1]]
+
+
+def _opponent_channels(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, c, H, W)`` in the basis ``q`` ``(c, c)``, one channel per sample: ``(B·c, 1, H, W)``."""
+    bsz, c, height, width = x.shape
+    return torch.einsum("dc,bchw->bdhw", q, x).reshape(bsz * c, 1, height, width)
+
+
+def pilot(
+    y: torch.Tensor, base: torch.Tensor, sigma: torch.Tensor, tensors: dict[str, torch.Tensor], net: GuideNet
+) -> torch.Tensor:
+    """The denoiser's ``p = b + a·(y − b) + N_θ(y, σ)`` ``(B, c, H, W)`` for ``y`` and ``b``
+    ``(B, c, H, W)``, ``σ`` ``(B,)`` in [0, 1] units; see the module docstring."""
+    bsz, c, height, width = y.shape
+    q = opponent(c, y.dtype).to(y.device)
+    u, ub = _opponent_channels(q, y), _opponent_channels(q, base)
+    h = _unshuffle(u - u.mean(dim=(2, 3), keepdim=True))
+    s = sigma.to(y.dtype).repeat_interleave(c).reshape(-1, 1, 1, 1)
+    h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
+    p = ub + tensors["net_skip"] * (u - ub) + _network(h, tensors, net, (height, width))
+    return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))
+
+
+def inpaint_pilot(
+    y: torch.Tensor,
+    observed: torch.Tensor,
+    base: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    net: GuideNet,
+) -> torch.Tensor:
+    """The inpainter's ``p = b + N_θ(M·(y − ȳ_O), M)`` ``(B, c, H, W)`` for ``y`` and ``b``
+    ``(B, c, H, W)`` and the observed mask ``M`` ``(B, 1, H, W)`` (1 observed, 0 missing; every
+    image has an observed pixel); ``ȳ_O`` is each channel's mean over ``M``."""
+    bsz, c, height, width = y.shape
+    q = opponent(c, y.dtype).to(y.device)
+    u, ub = _opponent_channels(q, y), _opponent_channels(q, base)
+    m = observed.to(y.dtype).repeat_interleave(c, dim=0)
+    level = (u * m).sum(dim=(2, 3), keepdim=True) / m.sum(dim=(2, 3), keepdim=True)
+    h = torch.cat([_unshuffle(m * (u - level)), _unshuffle(m)], dim=1)
+    p = ub + _network(h, tensors, net, (height, width))
     return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))

@@ -44,13 +44,14 @@ def init_tensors(spec: ModelSpec) -> dict[str, torch.Tensor]:
         bank = arch.kernel.filter_bank(torch.float64)
         require_psd_filter(bank, "the kernel's filter bank", 1e-9)
         bank = bank.to(torch.float32)
-        return {name: bank.clone() for name in ("w1", "w2", "v1", "v2")}
-    spatial = arch.kernel.spatial.filter(torch.float64)
-    require_psd_filter(spatial, "the spatial kernel", 1e-9)
-    out = {
-        "spatial": spatial.to(torch.float32),
-        "smoothing": gaussian_taps(arch.smoothing, torch.float64).float(),
-    }
+        out = {name: bank.clone() for name in ("w1", "w2", "v1", "v2")}
+    else:
+        spatial = arch.kernel.spatial.filter(torch.float64)
+        require_psd_filter(spatial, "the spatial kernel", 1e-9)
+        out = {
+            "spatial": spatial.to(torch.float32),
+            "smoothing": gaussian_taps(arch.smoothing, torch.float64).float(),
+        }
     if arch.net is not None:
         out.update(arch.net.kglm_start())
     return out
@@ -124,6 +125,18 @@ GROWN_SPECS: tuple[ModelSpec, ...] = (
             "description": "Adaptive-kernel kGLM denoiser whose guide and mean come from a small learned "
             "network (grey or colour, any size); σ given or estimated.",
             "architecture": {**DEFAULT_SPECS[0].architecture.model_dump(), "net": GuideNet().model_dump()},
+        }
+    ),
+    ModelSpec.model_validate(
+        {
+            **DEFAULT_SPECS[2].model_dump(),
+            "name": "inpaint-kglm-net",
+            "description": "Kernel-ridge inpainting on the observed pixels (Matérn 5/2) around a mean from "
+            "a small learned network, known pixels kept.",
+            "architecture": {
+                **DEFAULT_SPECS[2].architecture.model_dump(),
+                "net": GuideNet(condition="mask").model_dump(),
+            },
         }
     ),
 )

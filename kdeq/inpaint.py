@@ -8,6 +8,10 @@ so on the observed set ``z_O = m_O + K_OO(K_OO + λI)⁻¹(y_O − m_O)`` and th
 readout at every pixel is ``η̃ = m + K M (y − z)/λ`` — at a missing pixel
 ``m + K_{·O}(K_OO + λI)⁻¹(y_O − m_O)``, the kernel-ridge prediction. Known
 pixels are returned unchanged. The mask is per pixel (shared by the channels).
+
+With a network (``kdeq.guidenet``, ``condition = "mask"``) the prior mean is its
+pilot ``m = p``: the output at a missing pixel is the pilot corrected by the
+kernel-ridge interpolation of its residual on the observed pixels.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kdeq.families import Gaussian
+from kdeq.guidenet import inpaint_pilot
 from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, valid_region
 
 
@@ -41,6 +46,33 @@ class Inpainter(Predictor):
         """
         if sizes is not None and not self.pads_exactly:
             raise ValueError(f"{self.name} cannot batch images of different sizes exactly")
+        x, observed = self._observed(images, missing, sizes)
+        y = x * observed
+        lam = self.lam(torch.zeros(x.shape[0], device=self.device))
+        mean = self.mean(y, observed, sizes)
+        pilot_image = None
+        if self.config.architecture.net is not None:
+            mean = pilot_image = self._pilot(y, observed, mean, sizes)
+        out = self.conv_layer(Gaussian(), lam)(
+            y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
+        )
+        return Prediction(torch.where(observed > 0, x, out.eta), out.stats, lam, pilot=pilot_image)
+
+    def pilot_only(self, images: torch.Tensor, missing: torch.Tensor) -> torch.Tensor:
+        """The network's pilot ``p`` ``(B, c, H, W)`` without the solve (the trainer's pilot phase);
+        arguments as in ``forward``. It is ``p`` at every pixel, the observed ones included: the
+        solve corrects ``p`` by its residual there, so the pilot's loss covers them too."""
+        if self.config.architecture.net is None:
+            raise ValueError(f"{self.name} has no network")
+        x, observed = self._observed(images, missing, None)
+        y = x * observed
+        return self._pilot(y, observed, self.mean(y, observed), None)
+
+    def _observed(
+        self, images: torch.Tensor, missing: torch.Tensor, sizes: Sizes | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The checked images ``(B, c, H, W)`` and their observed mask ``M`` ``(B, 1, H, W)``
+        (0 on missing pixels and a padded batch's padding)."""
         x = self.images(images)
         miss = torch.as_tensor(missing, device=self.device)
         if miss.dim() == 3:
@@ -54,10 +86,19 @@ class Inpainter(Predictor):
         empty = observed.sum(dim=(1, 2, 3)) == 0
         if bool(empty.any()):
             raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no observed pixels")
-        y = x * observed
-        lam = self.lam(torch.zeros(x.shape[0], device=self.device))
-        mean = self.mean(y, observed, sizes)
-        out = self.conv_layer(Gaussian(), lam)(
-            y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
-        )
-        return Prediction(torch.where(observed > 0, x, out.eta), out.stats, lam)
+        return x, observed
+
+    def _pilot(
+        self, y: torch.Tensor, observed: torch.Tensor, base: torch.Tensor, sizes: Sizes | None
+    ) -> torch.Tensor:
+        """``inpaint_pilot`` ``(B, c, H, W)``, each image of a padded batch on its own pixels."""
+        net, t = self.config.architecture.net, self.tensors
+        if sizes is None:
+            return inpaint_pilot(y, observed, base, t, net)
+        out = torch.zeros_like(y)
+        for k, (h, w) in enumerate(sizes):
+            part = inpaint_pilot(
+                y[k : k + 1, :, :h, :w], observed[k : k + 1, :, :h, :w], base[k : k + 1, :, :h, :w], t, net
+            )
+            out[k, :, :h, :w] = part[0]
+        return out

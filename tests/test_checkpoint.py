@@ -37,6 +37,7 @@ def test_repository_lists_the_shipped_models() -> None:
     entries = list_models(SHIPPED)
     assert [(e.name, e.version, e.error) for e in entries] == [
         ("denoise-kglm", 1, None),
+        ("denoise-kglm", 2, None),  # the learned guide, trained from 1's kGLM start by kdeq train
         ("denoise-stationary-kglm", 1, None),
         ("denoise-stationary-kglm", 2, None),  # fine-tuned from 1 by kdeq train
         ("inpaint-kglm", 1, None),

@@ -1,6 +1,8 @@
-"""The learned guide (``kdeq.guidenet``): the pilot against an independent network, the kGLM start
-equal to the closed-form denoiser, colour through the opponent basis, exact padded batches, checkpoint
-checks, and the trainer's pilot phase and second phase. Every test makes its own images."""
+"""The learned networks (``kdeq.guidenet``): the denoiser's guide and the inpainter's mean. Their
+pilots against an independent network, the kGLM starts equal to the closed-form models, colour through
+the opponent basis, exact padded batches, the inpainter's kernel-ridge correction of its pilot against
+a dense solve, checkpoint checks, and the trainer's pilot phase and second phase. Every test makes its
+own images."""
 
 import json
 from pathlib import Path
@@ -12,8 +14,10 @@ from torch import nn
 from kdeq.checkpoint import Checkpoint, CheckpointError, ModelSpec, load_checkpoint, save_checkpoint
 from kdeq.cli import main as kdeq_main
 from kdeq.denoise import Denoiser
-from kdeq.guidenet import GuideNet, opponent, pilot
+from kdeq.filters import gaussian_taps, normalized_convolution
+from kdeq.guidenet import GuideNet, inpaint_pilot, opponent, pilot
 from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS, init_checkpoint, init_tensors
+from kdeq.inpaint import Inpainter
 from kdeq.predictor import SolverOverride, pad_images
 from kdeq.train import TrainConfig, train
 from kdeq.train.data import Corruption, image_files, load_images, validation_set
@@ -154,16 +158,22 @@ def test_random_and_kglm_starts_differ_where_they_should() -> None:
     assert torch.equal(SMALL.kglm_start()["net_0_weight"], start["net_0_weight"])  # seeded
 
 
-def test_training_runs_a_pilot_phase_then_the_whole_model(tmp_path: Path) -> None:
-    train_dir = smooth_images(tmp_path / "train", 6, 40, 0)
-    val_dir = smooth_images(tmp_path / "val", 2, 32, 1)
+def three_epoch_run(tmp_path: Path, spec: ModelSpec, **changes: object) -> tuple[TrainConfig, Path]:
+    """Train ``spec`` for two pilot epochs and one whole-model epoch on smooth images; returns the
+    config and the checkpoint folder."""
+    folders = (smooth_images(tmp_path / "train", 6, 40, 0), smooth_images(tmp_path / "val", 2, 32, 1))
     spec_file = tmp_path / "spec.json"
-    spec_file.write_text(grown_spec().model_dump_json())
-    out = tmp_path / "models" / "den-net" / "1"
+    spec_file.write_text(spec.model_dump_json())
+    out = tmp_path / "models" / spec.name / "1"
     cfg = small_config(
-        (train_dir, val_dir), out, spec=str(spec_file), epochs=3, pilot_epochs=2, samples_per_epoch=8, lr=1e-2
+        folders, out, spec=str(spec_file), epochs=3, pilot_epochs=2, samples_per_epoch=8, lr=1e-2, **changes
     )
     train(cfg)
+    return cfg, out
+
+
+def test_training_runs_a_pilot_phase_then_the_whole_model(tmp_path: Path) -> None:
+    cfg, out = three_epoch_run(tmp_path, grown_spec())
     epochs = json.loads((out / "report" / "metrics.json").read_text())["epochs"]
     assert [e["train_iterations"] for e in epochs[1:3]] == [0.0, 0.0]  # the pilot alone: no solve
     assert epochs[3]["train_iterations"] > 0
@@ -299,3 +309,174 @@ def test_gradients_of_the_mean_mixing_and_lambda_match_finite_differences() -> N
             down = loss().item()
             p.add_(eps)
         assert analytic == pytest.approx((up - down) / (2 * eps), rel=2e-2)
+
+
+# --- the inpainter's learned mean ----------------------------------------------------------------
+
+SMALL_MASK = GuideNet(depth=3, channels=8, condition="mask")
+
+
+def inpaint_spec(net: GuideNet = SMALL_MASK, name: str = "inp-net") -> ModelSpec:
+    data = GROWN_SPECS[1].model_dump()
+    data.update(name=name)
+    data["architecture"]["net"] = net.model_dump()
+    return ModelSpec.model_validate(data)
+
+
+def reference_inpaint_pilot(y: torch.Tensor, observed: torch.Tensor, base: torch.Tensor, t: dict):
+    """The inpainter's pilot of one grey image ``(1, 1, H, W)`` with even sides, by ``nn`` modules."""
+    unshuffle = nn.PixelUnshuffle(2)
+    level = (y * observed).sum() / observed.sum()
+    h = torch.cat([unshuffle(observed * (y - level)), unshuffle(observed)], dim=1)
+    for i in range(SMALL_MASK.depth):
+        w = t[f"net_{i}_weight"]
+        conv = nn.Conv2d(w.shape[1], w.shape[0], 3, padding=1)
+        conv.weight.data.copy_(w)
+        conv.bias.data.copy_(t[f"net_{i}_bias"])
+        h = conv(h)
+        h = torch.relu(h) if i < SMALL_MASK.depth - 1 else h
+    return base + nn.PixelShuffle(2)(h)
+
+
+def test_inpaint_pilot_matches_an_independent_network() -> None:
+    t = trained_like(SMALL_MASK, 11)
+    gen = torch.Generator().manual_seed(12)
+    y, base = torch.rand(1, 1, 18, 22, generator=gen), torch.rand(1, 1, 18, 22, generator=gen)
+    observed = (torch.rand(1, 1, 18, 22, generator=gen) < 0.5).float()
+    got = inpaint_pilot(y * observed, observed, base, t, SMALL_MASK)
+    assert torch.allclose(got, reference_inpaint_pilot(y * observed, observed, base, t), atol=1e-6)
+    # colour: per opponent channel, the mask shared
+    q = opponent(3)
+    yc, bc = torch.rand(1, 3, 18, 22, generator=gen), torch.rand(1, 3, 18, 22, generator=gen)
+    got = inpaint_pilot(yc * observed, observed, bc, t, SMALL_MASK)
+    parts = [
+        reference_inpaint_pilot(
+            torch.einsum("c,bchw->bhw", q[d], yc * observed)[:, None],
+            observed,
+            torch.einsum("c,bchw->bhw", q[d], bc)[:, None],
+            t,
+        )
+        for d in range(3)
+    ]
+    assert torch.allclose(got, torch.einsum("dc,bdhw->bchw", q, torch.cat(parts, dim=1)), atol=1e-5)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_the_inpainters_kglm_start_is_the_closed_form_inpainter(tmp_path: Path, channels: int) -> None:
+    grown, _ = init_checkpoint(inpaint_spec(), tmp_path)
+    plain, _ = init_checkpoint(DEFAULT_SPECS[2], tmp_path)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.rand(2, channels, 26, 31, generator=gen)
+    missing = torch.rand(2, 1, 26, 31, generator=gen) < 0.6
+    a = Inpainter(load_checkpoint(grown)).predict(x, missing)
+    b = Inpainter(load_checkpoint(plain)).predict(x, missing)
+    # colour's opponent round trip rounds the mean in float32, and the solve at λ = 0.01 amplifies it
+    assert torch.allclose(a.output, b.output, atol=1e-5 if channels == 1 else 5e-4)
+    assert torch.equal(a.stats.iterations, b.stats.iterations)
+    assert b.pilot is None and a.pilot is not None
+
+
+def dense_conv(bank: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The ``(HW, HW)`` matrix of the zero-padded convolution with one filter ``(1, 1, k, k)``."""
+    n = height * width
+    basis = torch.eye(n, dtype=torch.float64).reshape(n, 1, height, width)
+    cols = torch.nn.functional.conv2d(basis, bank.double(), padding=bank.shape[-1] // 2)
+    return cols.reshape(n, n).T
+
+
+def test_the_inpainter_corrects_its_pilot_by_kernel_ridge_on_the_observed_pixels(tmp_path: Path) -> None:
+    """At a missing pixel the output is ``p + K_{·O}(K_OO + λI)⁻¹(y_O − p_O)`` (a dense solve here)."""
+    spec = inpaint_spec()
+    t = {**init_tensors(spec), **trained_like(SMALL_MASK, 14)}
+    directory = tmp_path / "m" / "1"
+    save_checkpoint(directory, spec, t)
+    model = Inpainter(load_checkpoint(directory))
+    gen = torch.Generator().manual_seed(15)
+    height, width = 14, 16
+    x = torch.rand(1, 1, height, width, generator=gen)
+    missing = torch.rand(1, 1, height, width, generator=gen) < 0.5
+    got = model.predict(x, missing, SolverOverride(tol=5e-5, max_iter=1000))
+    observed = (~missing).float()
+    base = normalized_convolution(x * observed, observed, gaussian_taps(spec.mean_smoothing))
+    p = inpaint_pilot(x * observed, observed, base, t, SMALL_MASK).double().flatten()
+    obs = ~missing.flatten()
+    assert torch.allclose(got.pilot.double().flatten(), p, atol=1e-6)
+    k = dense_conv(t["w1"], height, width)
+    lam = spec.lam.value
+    coef = torch.linalg.solve(
+        k[obs][:, obs] + lam * torch.eye(int(obs.sum()), dtype=torch.float64),
+        x.double().flatten()[obs] - p[obs],
+    )
+    want = torch.where(obs, x.double().flatten(), p + k[:, obs] @ coef)
+    assert torch.allclose(got.output.double().flatten(), want, atol=2e-4)  # float32 CG at λ = 0.01
+    assert got.stats.converged.all()
+    assert not torch.allclose(p, want, atol=1e-2)  # the correction acts
+
+
+def test_a_padded_inpaint_batch_gives_each_image_its_own_result(tmp_path: Path) -> None:
+    spec = inpaint_spec()
+    directory = tmp_path / "m" / "1"
+    save_checkpoint(directory, spec, {**init_tensors(spec), **trained_like(SMALL_MASK, 16)})
+    model = Inpainter(load_checkpoint(directory))
+    gen = torch.Generator().manual_seed(17)
+    images = [torch.rand(1, 21, 30, generator=gen), torch.rand(1, 27, 19, generator=gen)]
+    masks = [torch.rand(1, *im.shape[-2:], generator=gen) < 0.5 for im in images]
+    batch, sizes = pad_images(images)
+    mask_batch = torch.ones(2, 1, *batch.shape[-2:], dtype=torch.bool)
+    for k, (h, w) in enumerate(sizes):
+        mask_batch[k, :, :h, :w] = masks[k]
+    tight = SolverOverride(tol=5e-5, max_iter=1000)
+    together = model.predict(batch, mask_batch, tight, sizes=sizes)
+    for k, (h, w) in enumerate(sizes):
+        alone = model.predict(images[k][None], masks[k][None], tight)
+        assert torch.allclose(together.output[k, :, :h, :w], alone.output[0], atol=2e-4)
+        assert torch.allclose(together.pilot[k, :, :h, :w], alone.pilot[0], atol=1e-5)
+
+
+def test_a_network_must_fit_its_model() -> None:
+    for spec, net in (
+        (GROWN_SPECS[0], SMALL_MASK),  # a guided denoiser's guide is conditioned on σ
+        (GROWN_SPECS[1], SMALL),  # an inpainter's mean on the mask
+        (DEFAULT_SPECS[3], SMALL_MASK),  # the segmenter has none
+    ):
+        data = spec.model_dump()
+        data["architecture"]["net"] = net.model_dump()
+        with pytest.raises(ValueError, match="network"):
+            ModelSpec.model_validate(data)
+    assert "net_skip" not in SMALL_MASK.shapes() and SMALL_MASK.shapes()["net_0_weight"][1] == 8
+
+
+def test_the_inpainters_network_gradient_through_the_solve_matches_finite_differences() -> None:
+    spec = inpaint_spec()
+    model = TrainableModel(spec, {**init_tensors(spec), **trained_like(SMALL_MASK, 18)}, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(19)
+    clean = torch.rand(2, 1, 16, 18, generator=gen)
+    batch = {"image": clean, "missing": torch.rand(2, 1, 16, 18, generator=gen) < 0.5}
+    tight = SolverOverride(tol=1e-9, max_iter=1000)
+    bias = model.raw[f"net_{SMALL_MASK.depth - 1}_bias"]
+
+    def loss() -> torch.Tensor:
+        out, _, _, _ = model(batch, tight)
+        return (out - 0.5).square().mean()
+
+    loss().backward()
+    analytic = bias.grad[1].item()
+    eps = 1e-3
+    with torch.no_grad():
+        bias[1] += eps
+        up = loss().item()
+        bias[1] -= 2 * eps
+        down = loss().item()
+        bias[1] += eps
+    assert analytic == pytest.approx((up - down) / (2 * eps), rel=2e-2)
+
+
+def test_training_an_inpainter_runs_its_pilot_phase_then_the_whole_model(tmp_path: Path) -> None:
+    _, out = three_epoch_run(
+        tmp_path, inpaint_spec(), task="inpaint", val_levels=(), mask_kinds=("pixels", "strokes")
+    )
+    epochs = json.loads((out / "report" / "metrics.json").read_text())["epochs"]
+    assert [e["train_iterations"] for e in epochs[1:3]] == [0.0, 0.0]
+    assert epochs[3]["train_iterations"] > 0
+    saved = load_checkpoint(out)
+    assert saved.tensors[f"net_{SMALL_MASK.depth - 1}_weight"].abs().sum() > 0

@@ -62,15 +62,15 @@ def test_health_ready_and_models(client: TestClient) -> None:
     assert client.get("/readyz").status_code == 200
     models = {m["id"]: m for m in client.get("/models").json()}
     # the latest version of each model: the stationary denoiser's and the inpainter's are fine-tuned
-    assert set(models) == {"denoise-kglm:1", "denoise-stationary-kglm:2", "inpaint-kglm:2", "segment-kglm:1"}
+    assert set(models) == {"denoise-kglm:2", "denoise-stationary-kglm:2", "inpaint-kglm:2", "segment-kglm:1"}
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
-    assert models["denoise-kglm:1"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
+    assert models["denoise-kglm:2"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
 
 
 def test_metrics_is_a_plain_route_in_the_text_format(client: TestClient) -> None:
     r = client.get("/metrics", follow_redirects=False)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    for model in ("denoise-kglm:1", "inpaint-kglm:2", "segment-kglm:1"):
+    for model in ("denoise-kglm:2", "inpaint-kglm:2", "segment-kglm:1"):
         assert metric(r.text, "kdeq_model_ready", model=model) == 1
     assert metric(r.text, "kdeq_build_info") == 1
 
@@ -116,7 +116,7 @@ def test_denoise_returns_a_cleaner_png_of_the_same_size_and_mode(client: TestCli
     assert out.mode == "L" and out.size == (80, 64)
     gain = psnr(np.asarray(out) / 255.0, clean) - psnr(dirty / 255.0, clean)
     assert gain > 5.0
-    assert r.headers["x-kdeq-model"] == "denoise-kglm:1"
+    assert r.headers["x-kdeq-model"] == "denoise-kglm:2"
     assert int(r.headers["x-kdeq-iterations"]) >= 1
     assert float(r.headers["x-kdeq-residual"]) <= 1e-4 and r.headers["x-kdeq-converged"] == "true"
     assert float(r.headers["x-kdeq-sigma"]) == 25.0
@@ -238,7 +238,7 @@ def test_named_model_and_version(client: TestClient) -> None:
 
 def test_metrics_move_with_requests(client: TestClient) -> None:
     png, _ = grey_png()
-    labels = {"endpoint": "/denoise", "model": "denoise-kglm:1"}
+    labels = {"endpoint": "/denoise", "model": "denoise-kglm:2"}
     before = client.get("/metrics").text
     client.post("/denoise", files={"image": png})
     capped = client.post("/denoise", files={"image": png}, data={"max_iter": "1", "tol": "1e-9"})
@@ -386,12 +386,12 @@ def test_a_broken_model_is_reported_and_the_others_serve(tmp_path, caplog) -> No
     with caplog.at_level("ERROR", logger="kdeq.service"), TestClient(create_app(settings)) as c:
         c.app.state.service.wait_loaded(120)
         models = {m["id"]: m for m in c.get("/models").json()}
-        assert models["denoise-kglm:1"]["ready"]
+        assert models["denoise-kglm:2"]["ready"]
         assert not models["segment-kglm:1"]["ready"] and "sha256" in models["segment-kglm:1"]["error"]
         assert not models["ghost"]["ready"] and "no model 'ghost'" in models["ghost"]["error"]
         text = c.get("/metrics").text
         assert metric(text, "kdeq_model_ready", model="segment-kglm:1") == 0
-        assert metric(text, "kdeq_model_ready", model="denoise-kglm:1") == 1
+        assert metric(text, "kdeq_model_ready", model="denoise-kglm:2") == 1
         assert c.get("/readyz").status_code == 200
         assert c.post("/denoise", files={"image": grey_png()[0]}).status_code == 200
         assert_error(c.post("/segment", files={"image": grey_png()[0]}), 404, "no_model")

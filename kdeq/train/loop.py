@@ -205,19 +205,24 @@ def _save_state(
     """Parameters and Adam's moments (safetensors) and the counters (JSON), replaced atomically."""
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {f"param.{k}": v.detach().cpu().contiguous() for k, v in model.named_parameters()}
-    # Adam indexes its state in its groups' order, not named_parameters': label each with its own name
-    by_id = {id(p): k for k, p in model.named_parameters()}
-    names = [by_id[id(p)] for group in opt.param_groups for p in group["params"]]
-    for i, name in enumerate(names):
+    for i, name in enumerate(_adam_order(model, opt)):
         for key, value in opt.state_dict()["state"].get(i, {}).items():
             tensors[f"adam.{name}.{key}"] = value.detach().cpu().contiguous()
     tmp = directory / "state.safetensors.tmp"
     save_file(tensors, str(tmp))
     tmp.replace(directory / "state.safetensors")
-    meta = {"fingerprint": fp, "history": hist.__dict__, "param_order": names}
+    meta = {"fingerprint": fp, "history": hist.__dict__}
     tmp = directory / "state.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1) + "\n")
     tmp.replace(directory / "state.json")
+
+
+def _adam_order(model: TrainableModel, opt: torch.optim.Adam) -> list[str]:
+    """The parameters' names in the order Adam indexes its state (its groups', not
+    ``named_parameters``'): the saved moments are labelled by name, so a state written under another
+    grouping resumes the same."""
+    by_id = {id(p): k for k, p in model.named_parameters()}
+    return [by_id[id(p)] for group in opt.param_groups for p in group["params"]]
 
 
 def _load_state(directory: Path, model: TrainableModel, opt: torch.optim.Adam, fp: str) -> History:
@@ -236,7 +241,7 @@ def _load_state(directory: Path, model: TrainableModel, opt: torch.optim.Adam, f
         for name, p in params.items():
             p.copy_(tensors[f"param.{name}"])
     sd = opt.state_dict()
-    for i, name in enumerate(meta["param_order"]):
+    for i, name in enumerate(_adam_order(model, opt)):
         entry = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"adam.{name}.")}
         if entry:
             sd["state"][i] = {k: v.to(params[name].device) if k != "step" else v for k, v in entry.items()}
@@ -309,10 +314,12 @@ def _train(
     spec = cfg.model_spec()
     fp = _fingerprint(cfg, rank.world)
     model = TrainableModel(spec, start_tensors(spec, cfg.init, cfg.seed), device, cfg.backward)
-    scalars = [p for n, p in model.named_parameters() if not n.startswith("raw.")]
-    tensors = [p for n, p in model.named_parameters() if n.startswith("raw.")]
+    # log-scale factors and one-element gains (a guide network's skip a and mean mixing β) move by
+    # O(1) over a run, where the banks' absolute step would crawl
+    scalars = [p for n, p in model.named_parameters() if not n.startswith("raw.") or p.numel() == 1]
+    tensors = [p for n, p in model.named_parameters() if n.startswith("raw.") and p.numel() > 1]
     groups = [{"params": tensors, "scale": 1.0}]
-    if scalars:  # log-scale factors move in log units, where the banks' absolute step would crawl
+    if scalars:
         groups.append({"params": scalars, "scale": 10.0})
     opt = torch.optim.Adam(groups, lr=cfg.lr)
     state_dir, report_dir = cfg.out / STATE_DIR, cfg.out / REPORT_DIR

@@ -26,7 +26,8 @@ constrained views of the parameters:
 - a guided model with a guide network (``kdeq.guidenet``) learns the network, its mean mixing and
   the ``λ`` factor; its kernel taps, guide smoothing and bandwidth stay at their start, so the
   weight maps need no autograd (without it the solve already costs ~4× the network per step). The
-  trainer adds the pilot's own loss (``pilot_loss``), through which the guide is learned.
+  trainer adds the pilot's own loss (``pilot_loss``), through which the guide is learned. An
+  inpainter's network (its mean) is learned with the kernel banks, and with the same pilot loss.
 """
 
 from __future__ import annotations
@@ -133,8 +134,8 @@ class TrainableModel(nn.Module):
             if not self.tied:
                 lam = spec.lam.value
                 raw["dw"], raw["dv"] = (w2 - raw["w1"]) / lam, (raw["v2"] - v1) / lam
-        self.has_net = self.guided and spec.architecture.net is not None
-        frozen_names = ("spatial", "smoothing") if self.has_net else ()
+        self.has_net = spec.architecture.net is not None
+        frozen_names = ("spatial", "smoothing") if self.guided and self.has_net else ()
         self.raw = nn.ParameterDict(
             {
                 k: nn.Parameter(v.to(device, torch.float32).clone(), requires_grad=k not in frozen_names)
@@ -171,10 +172,12 @@ class TrainableModel(nn.Module):
                 **{k: v for k, v in self.raw.items() if k not in fixed},
             }
         w1, v2 = symmetrize(self.raw["w1"]), self.raw["v2"]
+        net = {k: v for k, v in self.raw.items() if k.startswith("net_")}
         if self.tied:
-            return {"w1": w1, "w2": w1, "v1": v2, "v2": v2}
+            return {"w1": w1, "w2": w1, "v1": v2, "v2": v2, **net}
         lam = self.spec.lam.value
-        return {"w1": w1, "w2": w1 + lam * self.raw["dw"], "v1": v2 - lam * self.raw["dv"], "v2": v2}
+        banks = {"w1": w1, "w2": w1 + lam * self.raw["dw"], "v1": v2 - lam * self.raw["dv"], "v2": v2}
+        return {**banks, **net}
 
     def _bind(self) -> None:
         self.predictor.tensors = self.tensors()
@@ -191,9 +194,12 @@ class TrainableModel(nn.Module):
         return pred.output, pred.stats.iterations, pred.stats.converged, pred.pilot
 
     def pilot(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        """The guide network's pilot alone as ``forward``'s output (no solve: 0 iterations, converged)."""
+        """The network's pilot alone as ``forward``'s output (no solve: 0 iterations, converged)."""
         self._bind()
-        out = self.predictor.pilot_only(inputs["noisy"], inputs["sigma"])
+        if self.spec.task == "inpaint":
+            out = self.predictor.pilot_only(inputs["image"], inputs["missing"])
+        else:
+            out = self.predictor.pilot_only(inputs["noisy"], inputs["sigma"])
         n = out.shape[0]
         return (
             out,
