@@ -20,7 +20,7 @@ import torch
 
 from kdeq.families import Gaussian
 from kdeq.guidenet import inpaint_pilot
-from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, valid_region
+from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 
 
 class Inpainter(Predictor):
@@ -95,10 +95,8 @@ class Inpainter(Predictor):
         net, t = self.config.architecture.net, self.tensors
         if sizes is None:
             return inpaint_pilot(y, observed, base, t, net)
-        out = torch.zeros_like(y)
-        for k, (h, w) in enumerate(sizes):
-            part = inpaint_pilot(
-                y[k : k + 1, :, :h, :w], observed[k : k + 1, :, :h, :w], base[k : k + 1, :, :h, :w], t, net
-            )
-            out[k, :, :h, :w] = part[0]
-        return out
+        c = y.shape[1]
+        both = torch.cat([y, observed, base], dim=1)
+        return per_image(
+            lambda v: inpaint_pilot(v[:, :c], v[:, c : c + 1], v[:, c + 1 :], t, net), both, sizes
+        )

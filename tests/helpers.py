@@ -1,6 +1,7 @@
 """Test data and operators built independently of the library."""
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +28,25 @@ def flip(images: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     noise = torch.rand(images.shape, generator=gen, dtype=images.dtype) < fraction
     return torch.where(noise, 1.0 - images, images)
+
+
+def central_difference(
+    loss: Callable[[], torch.Tensor], steps: list[tuple[torch.Tensor, torch.Tensor]], eps: float = 1e-3
+) -> float:
+    """``(L(θ + εd) − L(θ − εd))/2ε`` for ``L = loss()``, evaluated without autograd: each tensor of
+    ``steps`` is moved by ``±ε`` times its direction ``d``, then restored."""
+
+    def move(scale: float) -> None:
+        for t, d in steps:
+            t.add_(scale * eps * d)
+
+    with torch.no_grad():
+        move(1.0)
+        up = loss().item()
+        move(-2.0)
+        down = loss().item()
+        move(1.0)
+    return (up - down) / (2 * eps)
 
 
 def dense_operator(op, shape: tuple[int, ...]) -> torch.Tensor:

@@ -196,10 +196,7 @@ class TrainableModel(nn.Module):
     def pilot(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         """The network's pilot alone as ``forward``'s output (no solve: 0 iterations, converged)."""
         self._bind()
-        if self.spec.task == "inpaint":
-            out = self.predictor.pilot_only(inputs["image"], inputs["missing"])
-        else:
-            out = self.predictor.pilot_only(inputs["noisy"], inputs["sigma"])
+        out = self.predictor.pilot_only(*self._inputs(inputs))
         n = out.shape[0]
         return (
             out,
@@ -211,12 +208,16 @@ class TrainableModel(nn.Module):
     def run(self, inputs: dict[str, torch.Tensor], solver: SolverOverride | None = None) -> Prediction:
         """The predictor's ``forward`` on one batch (``predict`` semantics when autograd is off)."""
         self._bind()
-        p = self.predictor
+        return self.predictor.forward(*self._inputs(inputs), solver=solver)
+
+    def _inputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The task predictor's leading arguments from a batch: ``(noisy, sigma)`` (denoise),
+        ``(image, missing)`` (inpaint) or ``(noisy,)`` (segment)."""
         if self.spec.task == "denoise":
-            return p.forward(inputs["noisy"], sigma=inputs["sigma"], solver=solver)
+            return inputs["noisy"], inputs["sigma"]
         if self.spec.task == "inpaint":
-            return p.forward(inputs["image"], inputs["missing"], solver=solver)
-        return p.forward(inputs["noisy"], solver=solver)
+            return inputs["image"], inputs["missing"]
+        return (inputs["noisy"],)
 
     @torch.no_grad()
     def project_(self) -> None:
