@@ -2,16 +2,18 @@
 
     .venv/bin/python bench/finetune.py --task denoise START TUNED [RANDOM …] [--bsd68] [--cbsd68 N] [--blind]
     .venv-bench/bin/python bench/finetune.py --task inpaint START TUNED [RANDOM …] [--biharmonic]
+    .venv-bench/bin/python bench/finetune.py --task segment START TUNED [RANDOM …] [--tv]
 
 Each argument is a checkpoint folder (``models/<name>/<version>``). Denoise: Set12 at
 σ = 15/25/50 (and BSD68 at σ = 25 with ``--bsd68``, the first ``N`` CBSD68 images at σ = 25 with
 ``--cbsd68 N``), σ given to the model or, with ``--blind``, estimated by it per image; inpaint:
 Set12 with 50 % and 80 % random pixels missing and with three brush strokes (the trainer's
 ``stroke_mask``), PSNR on the missing pixels, and with ``--biharmonic`` scikit-image's biharmonic
-inpainting beside them (``.venv-bench``). Noise and random masks are ``bench/baselines.py``'s
-(seed = image index), so the figures line up with ``bench/quality.py``'s. Prints a Markdown table:
-mean PSNR (dB), mean solver iterations, converged count, and for a model with a network the PSNR
-of its pilot alone.
+inpainting beside them (``.venv-bench``); segment: ``bench/quality.py``'s binary images and
+corruptions, IoU of the mask, and with ``--tv`` TV-then-threshold beside them (``.venv-bench``).
+Noise and random masks are ``bench/baselines.py``'s (seed = image index), so the figures line up
+with ``bench/quality.py``'s. Prints a Markdown table: mean PSNR (dB) or IoU, mean solver
+iterations, converged count, and for a model with a network the score of its pilot alone.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
-from quality import to_numpy, to_tensor
+from quality import SEGMENT_CORRUPTIONS, segment_targets, to_numpy, to_tensor
 
 from kdeq.repository import load_predictor
 from kdeq.train.data import stroke_mask
@@ -35,9 +37,15 @@ from kdeq.train.data import stroke_mask
 def cases(
     task: str, bsd68: bool, cbsd68: int = 0
 ) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, object]]]]:
-    """``(label, [(clean, input, extra)])``: extra is σ (denoise) or the missing mask (inpaint)."""
+    """``(label, [(clean, input, extra)])``: extra is σ (denoise), the missing mask (inpaint) or the
+    noise level TV is told (segment)."""
     out = []
-    if task == "denoise":
+    if task == "segment":
+        targets = segment_targets()
+        for name, (corrupt, tv_sigma) in SEGMENT_CORRUPTIONS.items():
+            items = [(b, corrupt(b, np.random.default_rng(i)), tv_sigma) for i, (_, b) in enumerate(targets)]
+            out.append((name, items))
+    elif task == "denoise":
         sets = [("Set12", s, None) for s in (15, 25, 50)] + ([("BSD68", 25, None)] if bsd68 else [])
         sets += [("CBSD68", 25, cbsd68)] if cbsd68 else []
         for name, sigma, limit in sets:
@@ -66,9 +74,14 @@ def cases(
 def score(
     task: str, model, clean: np.ndarray, y: np.ndarray, extra, blind: bool = False
 ) -> tuple[float, int, bool, float]:
-    """PSNR, iterations, convergence, and the pilot's PSNR (NaN without a guide network)."""
+    """PSNR (IoU for segment), iterations, convergence, and the pilot's score (NaN without a network)."""
     pilot = float("nan")
-    if task == "denoise":
+    if task == "segment":
+        pred = model.predict(to_tensor(y))
+        value = B.iou(pred.mask[0, 0].numpy(), clean)
+        if pred.pilot is not None:
+            pilot = B.iou(pred.pilot[0, 0].numpy() > 0.5, clean)
+    elif task == "denoise":
         pred = model.predict(to_tensor(y), sigma=None if blind else float(extra))
         value = B.psnr(to_numpy(pred.output), clean)
         if pred.pilot is not None:
@@ -83,37 +96,41 @@ def score(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=("denoise", "inpaint"), required=True)
+    parser.add_argument("--task", choices=("denoise", "inpaint", "segment"), required=True)
     parser.add_argument("checkpoints", nargs="+", type=Path)
     parser.add_argument("--bsd68", action="store_true")
     parser.add_argument("--cbsd68", type=int, default=0, metavar="N", help="the first N CBSD68 images")
     parser.add_argument("--blind", action="store_true", help="the models estimate σ per image")
     parser.add_argument("--biharmonic", action="store_true", help="inpaint: biharmonic inpainting beside")
+    parser.add_argument("--tv", action="store_true", help="segment: TV then threshold beside")
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; protocol of bench/quality.py (seed = image index); "
-        f"σ {'estimated' if args.blind else 'given'}"
+        f"{torch.get_num_threads()} threads; protocol of bench/quality.py (seed = image index)"
+        + (f"; σ {'estimated' if args.blind else 'given'}" if args.task == "denoise" else "")
     )
     models = [(str(p), load_predictor(p)) for p in args.checkpoints]
-    baseline = args.biharmonic and args.task == "inpaint"
+    baseline = {"inpaint": args.biharmonic, "segment": args.tv}.get(args.task, False)
     print(
         "| data | "
         + " | ".join(f"`{name}`" for name, _ in models)
-        + (" | biharmonic |" if baseline else " |")
+        + (f" | {'biharmonic' if args.task == 'inpaint' else 'TV then threshold'} |" if baseline else " |")
     )
     print("|---|" + "---|" * (len(models) + baseline))
+    fmt = (lambda v: f"IoU {v:.4f}") if args.task == "segment" else (lambda v: f"{v:.2f} dB")
     for label, items in cases(args.task, args.bsd68, args.cbsd68):
         cells = []
         for _, model in models:
             results = [score(args.task, model, c, y, e, args.blind) for c, y, e in items]
             psnrs, iters, conv, pilots = zip(*results, strict=True)
-            cell = f"{np.mean(psnrs):.2f} dB ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)})"
+            cell = f"{fmt(np.mean(psnrs))} ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)})"
             if not np.isnan(pilots).any():
-                cell += f", pilot {np.mean(pilots):.2f} dB"
+                cell += f", pilot {fmt(np.mean(pilots))}"
             cells.append(cell)
-        if baseline:
-            cells.append(f"{np.mean([B.psnr(B.biharmonic(c, m), c, m) for c, _, m in items]):.2f} dB")
+        if baseline and args.task == "inpaint":
+            cells.append(fmt(np.mean([B.psnr(B.biharmonic(c, m), c, m) for c, _, m in items])))
+        elif baseline:
+            cells.append(fmt(np.mean([B.iou(B.tv_threshold(y, s), c) for c, y, s in items])))
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -70,7 +70,7 @@ class ConvArchitecture(_MayHaveNet):
     the layer's maps being ``W1 = −w1/λ``, ``W2 = w2/λ``, ``V1 = −v1/λ``, ``V2 = v2/λ``; all equal
     ``kernel``'s filter bank at the kGLM initialisation. ``c = 1`` applies one kernel to every image
     channel; ``c > 1`` is a coregionalised kernel over exactly ``c`` image channels. With ``net``
-    (inpaint only) the prior mean is a learned pilot image (``kdeq.guidenet``)."""
+    (inpaint, segment) the prior mean is learned (``kdeq.guidenet``)."""
 
     kind: Literal["conv"] = "conv"
     kernel: Coregional
@@ -126,7 +126,8 @@ class ModelSpec(_Strict):
         name, version: the repository path ``models/<name>/<version>``.
         task: ``denoise`` | ``inpaint`` | ``segment`` (fixes the family: Gaussian, Gaussian, Bernoulli).
         architecture: ``conv`` (stationary) or ``guided`` (adaptive, denoise only), either with a
-            learned network (``kdeq.guidenet``): the guided denoiser's guide or the inpainter's mean.
+            learned network (``kdeq.guidenet``): the guided denoiser's guide, the inpainter's or the
+            segmenter's mean.
         lam: the ``λ`` rule (``noise`` needs a noise level: denoise only).
         mean: Appendix H mean ``m``: ``none``; ``global`` (per-channel image mean);
             ``local`` (the kernel's own normalised average ``D⁻¹K y``, guided only);
@@ -158,14 +159,16 @@ class ModelSpec(_Strict):
             )
         net = self.architecture.net
         if net is not None:
-            wanted = "sigma" if guided else "mask"
-            if net.condition != wanted or (not guided and self.task != "inpaint"):
+            wanted = "sigma" if guided else {"inpaint": "mask", "segment": "image"}.get(self.task)
+            if net.condition != wanted:
                 raise ValueError(
-                    "a network is the guided denoiser's guide (condition 'sigma') or the conv "
-                    "inpainter's mean (condition 'mask')"
+                    "a network is the guided denoiser's guide (condition 'sigma'), the conv "
+                    "inpainter's mean (condition 'mask') or the segmenter's (condition 'image')"
                 )
-            if not guided and self.mean != "normalized_convolution":
+            if self.task == "inpaint" and self.mean != "normalized_convolution":
                 raise ValueError("the inpainter's network adds to the normalized_convolution mean")
+            if self.task == "segment" and self.mean != "none":
+                raise ValueError("the segmenter's network is its mean: use mean 'none'")
         if self.lam.rule == "noise" and self.task != "denoise":
             raise ValueError("the noise λ rule needs a noise level, which only the denoise task has")
         if self.solver.method == "cg" and self.task == "segment":

@@ -28,6 +28,14 @@ is the kGLM inpainter's prior mean ``m`` (``kdeq.inpaint``): at a missing pixel
 the output is ``p + K_{·O}(K_OO + λI)⁻¹(y_O − p_O)``, the pilot corrected by the
 kernel-ridge interpolation of its residual on the observed pixels. At the kGLM
 start ``p = b`` and the model is the closed-form inpainter.
+
+The segmenter's network (``condition = "image"``) reads the luminance ``x``
+against its threshold ``τ`` and the labels ``t = [x̄ > τ]`` (``kdeq.segment``):
+
+    m = N_θ(x − τ, t),
+
+the logit prior mean of kernel logistic regression, ``z = logistic((K/λ)(t − z) + m)``.
+At the kGLM start ``m = 0`` and the model is the closed-form segmenter.
 """
 
 from __future__ import annotations
@@ -42,11 +50,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class GuideNet(BaseModel):
     """Shape of ``N_θ``: ``depth`` convolutions (``depth − 1`` followed by ReLU) of ``channels`` features,
-    conditioned on the noise level (``sigma``: the denoiser's guide) or the observed mask (``mask``:
-    the inpainter's mean).
+    conditioned on the noise level (``sigma``: the denoiser's guide), the observed mask (``mask``:
+    the inpainter's mean) or the labels (``image``: the segmenter's logit mean).
 
     Its tensors: ``net_<i>_weight`` ``(out, in, 3, 3)`` and ``net_<i>_bias`` ``(out,)`` for
-    ``i < depth`` (``in = 5`` first for ``sigma``, ``8`` for ``mask``; ``out = 4`` last); for
+    ``i < depth`` (``in = 5`` first for ``sigma``, ``8`` otherwise; ``out = 4`` last); for
     ``sigma`` also ``net_skip`` ``(1,)`` (``a``) and ``net_mean_mix`` ``(1,)``: the denoiser's mean is
     ``(1 − β)·D⁻¹K y + β·p`` (``kdeq.denoise``).
     """
@@ -55,7 +63,7 @@ class GuideNet(BaseModel):
 
     depth: int = Field(10, ge=2, le=32)
     channels: int = Field(64, ge=4, le=256)
-    condition: Literal["sigma", "mask"] = "sigma"
+    condition: Literal["sigma", "mask", "image"] = "sigma"
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor names and shapes, in layer order."""
@@ -170,3 +178,16 @@ def inpaint_pilot(
     h = torch.cat([_unshuffle(m * (u - level)), _unshuffle(m)], dim=1)
     p = ub + _network(h, tensors, net, (height, width))
     return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))
+
+
+def segment_mean(
+    grey: torch.Tensor,
+    tau: torch.Tensor,
+    labels: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    net: GuideNet,
+) -> torch.Tensor:
+    """The segmenter's logit mean ``m = N_θ(x − τ, t)`` ``(B, 1, H, W)`` for the luminance ``x`` and
+    labels ``t`` ``(B, 1, H, W)`` and the thresholds ``τ`` ``(B,)``."""
+    h = torch.cat([_unshuffle(grey - tau.reshape(-1, 1, 1, 1)), _unshuffle(labels)], dim=1)
+    return _network(h, tensors, net, tuple(grey.shape[-2:]))

@@ -139,6 +139,18 @@ GROWN_SPECS: tuple[ModelSpec, ...] = (
             },
         }
     ),
+    ModelSpec.model_validate(
+        {
+            **DEFAULT_SPECS[3].model_dump(),
+            "name": "segment-kglm-net",
+            "description": "Kernel logistic regression on the Otsu-binarised, smoothed image around a logit "
+            "mean from a small learned network that also reads the grey levels.",
+            "architecture": {
+                **DEFAULT_SPECS[3].architecture.model_dump(),
+                "net": GuideNet(condition="image").model_dump(),
+            },
+        }
+    ),
 )
 
 

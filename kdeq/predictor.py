@@ -58,7 +58,8 @@ class Prediction:
         sigma: noise level used per sample on the 0–255 scale ``(B,)`` (denoise), else ``None``.
         mask: foreground ``(B, 1, H, W)`` bool (segment), else ``None``.
         threshold: binarisation threshold per sample ``(B,)`` (segment), else ``None``.
-        pilot: the guide network's pilot image ``(B, c, H, W)`` (a denoiser with one), else ``None``.
+        pilot: a model with a network (``kdeq.guidenet``): the denoiser's or inpainter's pilot image
+            ``(B, c, H, W)``, the segmenter's ``logistic(m)`` ``(B, 1, H, W)``; else ``None``.
     """
 
     output: torch.Tensor

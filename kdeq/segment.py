@@ -14,6 +14,11 @@ Without a mean the solve starts from the equilibrium linearised about ``η = 0``
 CG solve (``kdeq.linear``) settles in a few convolutions; from there Anderson
 needs fewer iterations than from ``σ(0)`` (measured in ``docs/BENCHMARKS.md``).
 The start changes where the solve begins, not the fixed point it finds.
+
+With a network (``kdeq.guidenet``, ``condition = "image"``) the mean is learned,
+``m = N_θ(x − τ, t)`` from the luminance ``x`` and the labels: the network sees
+the grey levels the threshold discarded. Its pilot is ``logistic(m)``, and the
+solve starts there.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from kdeq.checkpoint import Checkpoint
 from kdeq.families import Bernoulli, Family, Gaussian
 from kdeq.filters import gaussian_taps, separable_blur
+from kdeq.guidenet import segment_mean
 from kdeq.linear import solve_affine
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.solvers import SolverConfig
@@ -78,24 +84,42 @@ class Segmenter(Predictor):
 
         ``output`` is the foreground probability ``(B, 1, H, W)`` and ``mask`` its ``> 1/2`` set.
         """
-        x = self.images(images)
-        grey = luminance(x)
+        grey, tau, labels = self._labels(images, threshold)
+        lam = self.lam(torch.zeros(grey.shape[0], device=self.device))
+        family = Bernoulli()
+        cfg = self.solver(solver)
+        if self.config.architecture.net is not None:
+            mean = segment_mean(grey, tau, labels, self.tensors, self.config.architecture.net)
+            z0, pilot = None, family.sigma(mean)
+        else:
+            mean, pilot = self.mean(labels), None
+            z0 = self.linear_start(family, labels, lam, cfg) if self.warm_start and mean is None else None
+        out = self.conv_layer(family, lam)(labels, mean=mean, mean_out=mean, z0=z0, solver=cfg)
+        prob = family.sigma(out.eta)
+        return Prediction(prob, out.stats, lam, mask=prob > 0.5, threshold=tau, pilot=pilot)
+
+    def pilot_only(self, images: torch.Tensor) -> torch.Tensor:
+        """The network's pilot ``logistic(m)`` ``(B, 1, H, W)`` without the solve (the trainer's pilot
+        phase); ``images`` as in ``forward``, thresholded at Otsu's."""
+        if self.config.architecture.net is None:
+            raise ValueError(f"{self.name} has no network")
+        grey, tau, labels = self._labels(images, None)
+        return Bernoulli().sigma(segment_mean(grey, tau, labels, self.tensors, self.config.architecture.net))
+
+    def _labels(
+        self, images: torch.Tensor, threshold: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The luminance ``x`` ``(B, 1, H, W)``, the threshold ``τ`` ``(B,)`` and the labels
+        ``t = [x̄ > τ]`` ``(B, 1, H, W)`` of the pre-smoothed luminance ``x̄``."""
+        grey = luminance(self.images(images))
         smooth = separable_blur(grey, self.presmooth_taps)
         if threshold is None:
             tau = otsu_threshold(smooth)
         else:
             if not (isinstance(threshold, float | int) and 0.0 <= threshold <= 1.0):
                 raise ValueError(f"threshold must be a number in [0, 1], got {threshold!r}")
-            tau = torch.full((x.shape[0],), float(threshold), device=self.device)
-        labels = (smooth > tau.reshape(-1, 1, 1, 1)).to(torch.float32)
-        lam = self.lam(torch.zeros(x.shape[0], device=self.device))
-        family = Bernoulli()
-        mean = self.mean(labels)
-        cfg = self.solver(solver)
-        z0 = self.linear_start(family, labels, lam, cfg) if self.warm_start and mean is None else None
-        out = self.conv_layer(family, lam)(labels, mean=mean, mean_out=mean, z0=z0, solver=cfg)
-        prob = family.sigma(out.eta)
-        return Prediction(prob, out.stats, lam, mask=prob > 0.5, threshold=tau)
+            tau = torch.full((grey.shape[0],), float(threshold), device=self.device)
+        return grey, tau, (smooth > tau.reshape(-1, 1, 1, 1)).to(torch.float32)
 
     def linear_start(
         self, family: Family, labels: torch.Tensor, lam: torch.Tensor, config: SolverConfig

@@ -42,7 +42,9 @@ def test_repository_lists_the_shipped_models() -> None:
         ("denoise-stationary-kglm", 2, None),  # fine-tuned from 1 by kdeq train
         ("inpaint-kglm", 1, None),
         ("inpaint-kglm", 2, None),  # fine-tuned from 1 by kdeq train
+        ("inpaint-kglm", 3, None),  # the learned mean, trained from 1's kGLM start by kdeq train
         ("segment-kglm", 1, None),
+        ("segment-kglm", 2, None),  # the learned logit mean, trained from 1's kGLM start by kdeq train
     ]
 
 

@@ -73,7 +73,7 @@ def test_guided_weights_with_autograd_equal_the_in_place_path_and_carry_gradient
     # each tap k_s(o) multiplies w_o and its mirror's map is the same one: d(Σw)/dk_s(o) = Σ_x exp(·)
     half = half_offsets(3)
     taps = torch.stack([spatial[3 + a, 3 + b] for a, b in half])
-    expected = (served.sum(dim=(0, 2, 3)) / taps)
+    expected = served.sum(dim=(0, 2, 3)) / taps
     got = torch.stack([grad[3 + a, 3 + b] for a, b in half])
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 

@@ -61,8 +61,8 @@ def test_health_ready_and_models(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "alive"}
     assert client.get("/readyz").status_code == 200
     models = {m["id"]: m for m in client.get("/models").json()}
-    # the latest version of each model: the stationary denoiser's and the inpainter's are fine-tuned
-    assert set(models) == {"denoise-kglm:2", "denoise-stationary-kglm:2", "inpaint-kglm:2", "segment-kglm:1"}
+    # the latest version of each model, each trained from its kGLM start
+    assert set(models) == {"denoise-kglm:2", "denoise-stationary-kglm:2", "inpaint-kglm:3", "segment-kglm:2"}
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
     assert models["denoise-kglm:2"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
 
@@ -70,7 +70,7 @@ def test_health_ready_and_models(client: TestClient) -> None:
 def test_metrics_is_a_plain_route_in_the_text_format(client: TestClient) -> None:
     r = client.get("/metrics", follow_redirects=False)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    for model in ("denoise-kglm:2", "inpaint-kglm:2", "segment-kglm:1"):
+    for model in ("denoise-kglm:2", "inpaint-kglm:3", "segment-kglm:2"):
         assert metric(r.text, "kdeq_model_ready", model=model) == 1
     assert metric(r.text, "kdeq_build_info") == 1
 
@@ -182,7 +182,7 @@ def test_inpaint_fills_missing_pixels_and_keeps_the_rest(client: TestClient) -> 
     out = np.asarray(decode(r.content)).astype(np.float64)
     assert (out[~missing] == clean[~missing]).all()
     assert np.abs(out[missing] - clean[missing]).mean() < 6.0  # 0–255 scale; the holes were 0
-    assert r.headers["x-kdeq-model"] == "inpaint-kglm:2"
+    assert r.headers["x-kdeq-model"] == "inpaint-kglm:3"
 
 
 def test_inpaint_reads_holes_from_the_alpha_channel(client: TestClient) -> None:
@@ -378,7 +378,7 @@ def test_unknown_route_and_method_are_json() -> None:
 def test_a_broken_model_is_reported_and_the_others_serve(tmp_path, caplog) -> None:
     root = tmp_path / "models"
     shutil.copytree(MODELS, root)
-    weights = root / "segment-kglm" / "1" / "weights.safetensors"
+    weights = root / "segment-kglm" / "2" / "weights.safetensors"
     data = bytearray(weights.read_bytes())
     data[-8:] = b"\x00" * 8
     weights.write_bytes(bytes(data))
@@ -387,10 +387,10 @@ def test_a_broken_model_is_reported_and_the_others_serve(tmp_path, caplog) -> No
         c.app.state.service.wait_loaded(120)
         models = {m["id"]: m for m in c.get("/models").json()}
         assert models["denoise-kglm:2"]["ready"]
-        assert not models["segment-kglm:1"]["ready"] and "sha256" in models["segment-kglm:1"]["error"]
+        assert not models["segment-kglm:2"]["ready"] and "sha256" in models["segment-kglm:2"]["error"]
         assert not models["ghost"]["ready"] and "no model 'ghost'" in models["ghost"]["error"]
         text = c.get("/metrics").text
-        assert metric(text, "kdeq_model_ready", model="segment-kglm:1") == 0
+        assert metric(text, "kdeq_model_ready", model="segment-kglm:2") == 0
         assert metric(text, "kdeq_model_ready", model="denoise-kglm:2") == 1
         assert c.get("/readyz").status_code == 200
         assert c.post("/denoise", files={"image": grey_png()[0]}).status_code == 200
