@@ -1,19 +1,19 @@
 """Does fine-tuning pay off? Checkpoints side by side on the quality benchmark's protocol.
 
     .venv/bin/python bench/finetune.py --task denoise START TUNED [RANDOM …] [--bsd68] [--cbsd68 N] [--blind]
-    .venv-bench/bin/python bench/finetune.py --task inpaint START TUNED [RANDOM …] [--biharmonic]
-    .venv-bench/bin/python bench/finetune.py --task segment START TUNED [RANDOM …] [--tv]
+    .venv-bench/bin/python bench/finetune.py --task TASK START TUNED … [--baseline] [--per-image]
 
 Each argument is a checkpoint folder (``models/<name>/<version>``). Denoise: Set12 at
 σ = 15/25/50 (and BSD68 at σ = 25 with ``--bsd68``, the first ``N`` CBSD68 images at σ = 25 with
 ``--cbsd68 N``), σ given to the model or, with ``--blind``, estimated by it per image; inpaint:
 Set12 with 50 % and 80 % random pixels missing and with three brush strokes (the trainer's
-``stroke_mask``), PSNR on the missing pixels, and with ``--biharmonic`` scikit-image's biharmonic
-inpainting beside them (``.venv-bench``); segment: ``bench/quality.py``'s binary images and
-corruptions, IoU of the mask, and with ``--tv`` TV-then-threshold beside them (``.venv-bench``).
+``stroke_mask``), PSNR on the missing pixels; segment: ``bench/quality.py``'s binary images and
+corruptions, IoU of the mask. ``--baseline`` adds the task's classical baseline beside them
+(``.venv-bench``): BM3D with σ given, scikit-image's biharmonic inpainting, TV then threshold.
 Noise and random masks are ``bench/baselines.py``'s (seed = image index), so the figures line up
 with ``bench/quality.py``'s. Prints a Markdown table: mean PSNR (dB) or IoU, mean solver
-iterations, converged count, and for a model with a network the score of its pilot alone.
+iterations, converged count, and for a model with a network the score of its pilot alone; with
+``--per-image``, then each image's scores.
 """
 
 from __future__ import annotations
@@ -94,6 +94,14 @@ def score(
     return value, int(pred.stats.iterations.item()), bool(pred.stats.converged.item()), pilot
 
 
+#: each task's classical baseline: its name and score(clean, input, extra)
+BASELINES = {
+    "denoise": ("BM3D (σ given)", lambda c, y, e: B.psnr(B.bm3d_denoise(y, e), c)),
+    "inpaint": ("biharmonic", lambda c, y, e: B.psnr(B.biharmonic(c, e), c, e)),
+    "segment": ("TV then threshold", lambda c, y, e: B.iou(B.tv_threshold(y, e), c)),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", choices=("denoise", "inpaint", "segment"), required=True)
@@ -101,8 +109,8 @@ def main() -> None:
     parser.add_argument("--bsd68", action="store_true")
     parser.add_argument("--cbsd68", type=int, default=0, metavar="N", help="the first N CBSD68 images")
     parser.add_argument("--blind", action="store_true", help="the models estimate σ per image")
-    parser.add_argument("--biharmonic", action="store_true", help="inpaint: biharmonic inpainting beside")
-    parser.add_argument("--tv", action="store_true", help="segment: TV then threshold beside")
+    parser.add_argument("--baseline", action="store_true", help="the task's classical baseline beside")
+    parser.add_argument("--per-image", action="store_true", help="also each image's scores")
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
@@ -110,28 +118,33 @@ def main() -> None:
         + (f"; σ {'estimated' if args.blind else 'given'}" if args.task == "denoise" else "")
     )
     models = [(str(p), load_predictor(p)) for p in args.checkpoints]
-    baseline = {"inpaint": args.biharmonic, "segment": args.tv}.get(args.task, False)
-    print(
-        "| data | "
-        + " | ".join(f"`{name}`" for name, _ in models)
-        + (f" | {'biharmonic' if args.task == 'inpaint' else 'TV then threshold'} |" if baseline else " |")
-    )
-    print("|---|" + "---|" * (len(models) + baseline))
+    name, baseline = BASELINES[args.task]
+    titles = [f"`{m}`" for m, _ in models] + ([name] if args.baseline else [])
+    header = "| data | " + " | ".join(titles) + " |"
+    rule = "|---|" + "---|" * (len(models) + args.baseline)
+    print(header + "\n" + rule)
     fmt = (lambda v: f"IoU {v:.4f}") if args.task == "segment" else (lambda v: f"{v:.2f} dB")
+    per_image = []
     for label, items in cases(args.task, args.bsd68, args.cbsd68):
-        cells = []
+        cells, columns = [], []
         for _, model in models:
             results = [score(args.task, model, c, y, e, args.blind) for c, y, e in items]
-            psnrs, iters, conv, pilots = zip(*results, strict=True)
-            cell = f"{fmt(np.mean(psnrs))} ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)})"
+            values, iters, conv, pilots = zip(*results, strict=True)
+            cell = f"{fmt(np.mean(values))} ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)})"
             if not np.isnan(pilots).any():
                 cell += f", pilot {fmt(np.mean(pilots))}"
             cells.append(cell)
-        if baseline and args.task == "inpaint":
-            cells.append(fmt(np.mean([B.psnr(B.biharmonic(c, m), c, m) for c, _, m in items])))
-        elif baseline:
-            cells.append(fmt(np.mean([B.iou(B.tv_threshold(y, s), c) for c, y, s in items])))
+            columns.append(values)
+        if args.baseline:
+            columns.append([baseline(c, y, e) for c, y, e in items])
+            cells.append(fmt(np.mean(columns[-1])))
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+        per_image.append((label, columns))
+    if args.per_image:
+        for label, columns in per_image:
+            print(f"\n{label}, per image (index)\n\n" + header.replace("| data |", "| image |") + "\n" + rule)
+            for i, row in enumerate(zip(*columns, strict=True)):
+                print(f"| {i} | " + " | ".join(fmt(v) for v in row) + " |")
 
 
 if __name__ == "__main__":
