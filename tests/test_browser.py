@@ -97,6 +97,8 @@ def run_task(page, task: str, image: Path) -> None:
 @pytest.mark.parametrize("task", ["denoise", "inpaint", "segment"])
 def test_each_task_shows_its_result_and_statistics(browser, server, images, task: str, tmp_path) -> None:
     page, errors = open_page(browser, server.url)
+    # the page lists the models when its /models request returns: wait for them, then count
+    page.locator("#model option").nth(1).wait_for(state="attached", timeout=30_000)
     assert page.locator("#model option").count() >= 2  # default + the task's models
     run_task(page, task, images[task])
     page.wait_for_selector("#stats:not([hidden])", timeout=60_000)
