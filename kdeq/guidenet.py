@@ -41,6 +41,7 @@ At the kGLM start ``m = 0`` and the model is the closed-form segmenter.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -139,10 +140,20 @@ def _network(
     return F.pixel_shuffle(h, 2)[..., : size[0], : size[1]]
 
 
-def _opponent_channels(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(B, c, H, W)`` in the basis ``q`` ``(c, c)``, one channel per sample: ``(B·c, 1, H, W)``."""
-    bsz, c, height, width = x.shape
-    return torch.einsum("dc,bchw->bdhw", q, x).reshape(bsz * c, 1, height, width)
+def _per_opponent_channel(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], y: torch.Tensor, base: torch.Tensor
+) -> torch.Tensor:
+    """``fn(u, u_b)`` on ``y`` and ``base`` ``(B, c, H, W)`` in the opponent basis ``Q`` of their
+    channels, one channel per sample (``(B·c, 1, H, W)``, sample-major), mapped back by ``Qᵀ``:
+    ``(B, c, H, W)``."""
+    bsz, c, height, width = y.shape
+    q = opponent(c, y.dtype).to(y.device)
+
+    def split(x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("dc,bchw->bdhw", q, x).reshape(bsz * c, 1, height, width)
+
+    p = fn(split(y), split(base))
+    return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))
 
 
 def pilot(
@@ -150,14 +161,14 @@ def pilot(
 ) -> torch.Tensor:
     """The denoiser's ``p = b + a·(y − b) + N_θ(y, σ)`` ``(B, c, H, W)`` for ``y`` and ``b``
     ``(B, c, H, W)``, ``σ`` ``(B,)`` in [0, 1] units; see the module docstring."""
-    bsz, c, height, width = y.shape
-    q = opponent(c, y.dtype).to(y.device)
-    u, ub = _opponent_channels(q, y), _opponent_channels(q, base)
-    h = _unshuffle(u - u.mean(dim=(2, 3), keepdim=True))
-    s = sigma.to(y.dtype).repeat_interleave(c).reshape(-1, 1, 1, 1)
-    h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
-    p = ub + tensors["net_skip"] * (u - ub) + _network(h, tensors, net, (height, width))
-    return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))
+    s = sigma.to(y.dtype).repeat_interleave(y.shape[1]).reshape(-1, 1, 1, 1)
+
+    def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
+        h = _unshuffle(u - u.mean(dim=(2, 3), keepdim=True))
+        h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
+        return ub + tensors["net_skip"] * (u - ub) + _network(h, tensors, net, tuple(u.shape[-2:]))
+
+    return _per_opponent_channel(one, y, base)
 
 
 def inpaint_pilot(
@@ -170,14 +181,14 @@ def inpaint_pilot(
     """The inpainter's ``p = b + N_θ(M·(y − ȳ_O), M)`` ``(B, c, H, W)`` for ``y`` and ``b``
     ``(B, c, H, W)`` and the observed mask ``M`` ``(B, 1, H, W)`` (1 observed, 0 missing; every
     image has an observed pixel); ``ȳ_O`` is each channel's mean over ``M``."""
-    bsz, c, height, width = y.shape
-    q = opponent(c, y.dtype).to(y.device)
-    u, ub = _opponent_channels(q, y), _opponent_channels(q, base)
-    m = observed.to(y.dtype).repeat_interleave(c, dim=0)
-    level = (u * m).sum(dim=(2, 3), keepdim=True) / m.sum(dim=(2, 3), keepdim=True)
-    h = torch.cat([_unshuffle(m * (u - level)), _unshuffle(m)], dim=1)
-    p = ub + _network(h, tensors, net, (height, width))
-    return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))
+    m = observed.to(y.dtype).repeat_interleave(y.shape[1], dim=0)
+
+    def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
+        level = (u * m).sum(dim=(2, 3), keepdim=True) / m.sum(dim=(2, 3), keepdim=True)
+        h = torch.cat([_unshuffle(m * (u - level)), _unshuffle(m)], dim=1)
+        return ub + _network(h, tensors, net, tuple(u.shape[-2:]))
+
+    return _per_opponent_channel(one, y, base)
 
 
 def segment_mean(

@@ -54,3 +54,13 @@ def dense_operator(op, shape: tuple[int, ...]) -> torch.Tensor:
     n = math.prod(shape)
     basis = torch.eye(n, dtype=torch.float64).reshape(n, *shape)
     return op(basis).reshape(n, -1).T
+
+
+def denoise_batch(
+    gen: torch.Generator, height: int, width: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Two clean images ``(2, 1, H, W)`` uniform in [0, 1] and the trainer's batch of them with noise
+    of standard deviation 0.1, labelled σ = 25 (0–255 scale), drawn from ``gen``."""
+    clean = torch.rand(2, 1, height, width, generator=gen)
+    noisy = clean + 0.1 * torch.randn(clean.shape, generator=gen)
+    return clean, {"noisy": noisy, "sigma": torch.tensor([25.0, 25.0])}

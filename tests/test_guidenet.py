@@ -26,7 +26,7 @@ from kdeq.train import TrainConfig, train
 from kdeq.train.data import Corruption, image_files, load_images, validation_set
 from kdeq.train.loop import lr_at
 from kdeq.train.model import TrainableModel, random_tensors
-from tests.helpers import binary_shapes, central_difference, dense_operator
+from tests.helpers import binary_shapes, central_difference, denoise_batch, dense_operator
 from tests.test_train import small_config, smooth_images
 
 SMALL = GuideNet(depth=3, channels=8)
@@ -290,11 +290,7 @@ def test_gradients_of_the_mean_mixing_and_lambda_match_finite_differences() -> N
     t["net_mean_mix"] = torch.tensor([0.4])
     model = TrainableModel(spec, t, torch.device("cpu"))
     gen = torch.Generator().manual_seed(10)
-    clean = torch.rand(2, 1, 16, 18, generator=gen)
-    batch = {
-        "noisy": clean + 0.1 * torch.randn(clean.shape, generator=gen),
-        "sigma": torch.tensor([25.0, 25.0]),
-    }
+    clean, batch = denoise_batch(gen, 16, 18)
     tight = SolverOverride(tol=1e-7, max_iter=500)
     params = [model.raw["net_mean_mix"], model.log_lam]
 

@@ -36,7 +36,7 @@ from kdeq.train.data import (
 )
 from kdeq.train.loop import iou, lr_at, psnr
 from kdeq.train.model import TrainableModel, psd_shift, random_tensors, start_tensors, symmetrize
-from tests.helpers import binary_shapes, central_difference, dense_operator
+from tests.helpers import binary_shapes, central_difference, denoise_batch, dense_operator
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = {s.name: s for s in DEFAULT_SPECS}
@@ -205,11 +205,7 @@ def test_training_gradient_matches_finite_differences() -> None:
     spec = SPECS["denoise-stationary-kglm"]
     model = TrainableModel(spec, init_tensors(spec), torch.device("cpu"))
     gen = torch.Generator().manual_seed(3)
-    clean = torch.rand(2, 1, 14, 14, generator=gen)
-    batch = {
-        "noisy": clean + 0.1 * torch.randn(clean.shape, generator=gen),
-        "sigma": torch.tensor([25.0, 25.0]),
-    }
+    clean, batch = denoise_batch(gen, 14, 14)
     tight = SolverOverride(tol=1e-7, max_iter=2000)
     dirs = {k: torch.randn(p.shape, generator=gen) for k, p in model.raw.items()}
 
