@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the Dockerfile with podman and check the container: /readyz, a /denoise round trip, the
-# health check, the non-root user, the models volume, the absence of benchmark files, and a clean
-# SIGTERM drain. For machines with no image registry: the base image is bootstrapped from Debian's
+# health check, the non-root user, the models volume, the absence of benchmark files, torch's CUDA
+# (none, on this base without CUDA) and the allocator setting, and a clean SIGTERM drain; then that a
+# base claiming a CUDA the wheel lacks stops the build. For machines with no image registry: the base image is bootstrapped from Debian's
 # packages and the Python packages come from a wheelhouse filled on the host (the Dockerfile's
 # offline path). Needs root, podman, runc and debootstrap (apt-get install podman runc debootstrap).
 #
@@ -109,6 +110,11 @@ extra=$(podman exec kdeq-test sh -c \
      -print 2>/dev/null | wc -l')
 echo "project benchmark/test files or research images in the image: $extra"
 [ "$extra" = 0 ] || fail "benchmark, test or research files in the image"
+cuda=$(podman exec kdeq-test /opt/kdeq/bin/python -c 'import torch; print(torch.version.cuda)')
+alloc=$(podman exec kdeq-test sh -c 'echo "$PYTORCH_ALLOC_CONF"')
+echo "torch CUDA: $cuda; PYTORCH_ALLOC_CONF: $alloc"
+[ "$cuda" = None ] || fail "a CUDA torch on a base without CUDA"
+[ "$alloc" = expandable_segments:True ] || fail "the allocator setting is missing"
 families=$(curl -sS "http://127.0.0.1:$port/metrics" | grep -c '^# TYPE kdeq_')
 echo "metrics families: $families"
 page=$(curl -sS -o /dev/null -w '%{http_code} %{content_type}' "http://127.0.0.1:$port/")
@@ -123,5 +129,18 @@ echo "exit code: $code"
 [ "$code" = 0 ] || fail "exit code $code after SIGTERM"
 podman logs kdeq-test 2>&1 | grep -E "draining|Shutting down|Finished server process" | sed 's/^/  /'
 podman rm -f kdeq-test >/dev/null
+
+step "a base whose CUDA the wheel lacks: the build must stop at the CUDA check"
+# the test base plus the CUDA_VERSION an nvidia/cuda:13.0.2 image sets; the wheelhouse's torch is CPU
+mkdir -p "$work/fake-cuda"
+printf 'FROM localhost/kdeq-base:bookworm\nENV CUDA_VERSION=13.0.2\n' >"$work/fake-cuda/Containerfile"
+podman build --format docker --isolation chroot -t localhost/kdeq-base:fake-cuda "$work/fake-cuda" >/dev/null
+if podman build --format docker --network host --isolation chroot --build-arg OFFLINE=1 --target build \
+     --build-arg BASE_IMAGE=localhost/kdeq-base:fake-cuda . >"$work/build-mismatch.log" 2>&1; then
+  fail "a CPU torch on a CUDA 13.0 base was built"
+fi
+grep -q "is built for CUDA None but the base image has CUDA 13.0" "$work/build-mismatch.log" \
+  || { tail -20 "$work/build-mismatch.log"; fail "the build failed, but not at the CUDA check"; }
+grep "^torch .* is built for CUDA" "$work/build-mismatch.log" | sed "s/^/  /"
 echo
 echo "image test passed"

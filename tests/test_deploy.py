@@ -5,13 +5,17 @@ the Dockerfile's promises."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import runpy
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
+import torch
 import yaml
 
 from service.settings import Settings
@@ -96,24 +100,64 @@ def test_every_alert_has_a_firing_and_a_quiet_unit_test() -> None:
 
 
 class ComposeLoader(yaml.SafeLoader):
-    """YAML with Compose's ``!reset`` tag (the key is dropped from the merged file)."""
+    """YAML with Compose's ``!reset`` tag (the key is dropped from the merged file) and ``!override``
+    (the value replaces the base's instead of merging with it)."""
 
 
 RESET = object()
+
+
+class Override(dict):
+    """A mapping tagged ``!override``."""
+
+
 ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+ComposeLoader.add_constructor(
+    "!override", lambda loader, node: Override(loader.construct_mapping(node, deep=True))
+)
+
+
+def plain(value: object) -> object:
+    """``value`` without the ``Override`` marks, as the merged file Compose shows."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
 
 
 def merge(base: dict, override: dict) -> dict:
-    """Compose's merge for the mappings used here: keys merge recursively, ``!reset`` removes one."""
+    """Compose's merge for the keys these files override: mappings merge recursively, sequences are
+    appended (so a GPU reservation merged into the base's would reserve both), ``!reset`` removes a
+    key and ``!override`` replaces it whole."""
     out = dict(base)
     for key, value in override.items():
         if value is RESET:
             out.pop(key, None)
+        elif isinstance(value, Override):
+            out[key] = plain(value)
         elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = merge(out[key], value)
+        elif isinstance(value, list) and isinstance(out.get(key), list):
+            out[key] = out[key] + value
         else:
             out[key] = value
     return out
+
+
+def load_compose(*names: str) -> dict:
+    """The files merged as ``docker compose -f NAME -f NAME ...`` does, ``extends`` resolved: a
+    service that extends ``{file, service}`` starts from that file's service as written there."""
+    docs = [yaml.load((ROOT / name).read_text(), ComposeLoader) for name in names]
+    merged = docs[0]
+    for doc in docs[1:]:
+        for service in doc["services"].values():
+            if "extends" in service:
+                ref = service.pop("extends")
+                origin = yaml.load((ROOT / ref["file"]).read_text(), ComposeLoader)
+                service.update(merge(origin["services"][ref["service"]], dict(service)))
+        merged = merge(merged, doc)
+    return plain(merged)
 
 
 def interpolate(value: str, shell: dict[str, str] | None = None) -> str:
@@ -141,9 +185,9 @@ def compose_validator() -> jsonschema.protocols.Validator:
 
 def test_compose_files_follow_the_compose_specification() -> None:
     validator = compose_validator()
-    base = yaml.load((ROOT / "docker-compose.yml").read_text(), ComposeLoader)
-    cpu = merge(base, yaml.load((ROOT / "docker-compose.cpu.yml").read_text(), ComposeLoader))
-    for doc in (base, cpu):
+    base = load_compose("docker-compose.yml")
+    cpu = load_compose("docker-compose.yml", "docker-compose.cpu.yml")
+    for doc in (base, cpu, load_compose("docker-compose.yml", "docker-compose.multi-gpu.yml")):
         errors = [f"{list(e.path)}: {e.message}" for e in validator.iter_errors(doc)]
         assert not errors, errors
     # the schema is live: a misspelt key is caught
@@ -186,6 +230,54 @@ def test_compose_files_follow_the_compose_specification() -> None:
     for mount in prom["volumes"] + grafana["volumes"]:
         if mount.startswith("./"):
             assert (ROOT / mount.split(":")[0]).exists(), mount
+
+
+def kdeq_dns_names() -> set[str]:
+    """The names Prometheus's kdeq job asks Docker's DNS for."""
+    config = yaml.safe_load((PROM / "prometheus.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "kdeq")
+    return {name for sd in job["dns_sd_configs"] for name in sd["names"]}
+
+
+def dns_names(name: str, service: dict) -> set[str]:
+    """What Docker's DNS answers with this service's containers: its name and its network aliases."""
+    networks = service.get("networks") or {}
+    if isinstance(networks, list):  # the short form has no aliases
+        return {name}
+    return {name} | {a for net in networks.values() for a in ((net or {}).get("aliases") or [])}
+
+
+def test_multi_gpu_compose_runs_one_discoverable_replica_per_gpu(monkeypatch) -> None:
+    base = load_compose("docker-compose.yml")["services"]["kdeq"]
+    services = load_compose("docker-compose.yml", "docker-compose.multi-gpu.yml")["services"]
+    replicas = {name: s for name, s in services.items() if s.get("image") == base["image"]}
+    assert len(replicas) >= 2 and "kdeq" in replicas  # `docker compose cp ... kdeq:` still works
+    # inside a replica's container its one GPU is the only CUDA device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpus = []
+    for name, service in replicas.items():
+        (request,) = service["deploy"]["resources"]["reservations"]["devices"]
+        # one GPU named by its host index; `count` with it is refused by Docker, and `count` alone
+        # is GPU 0 for every container
+        assert request["driver"] == "nvidia" and request["capabilities"] == ["gpu"], name
+        assert "count" not in request and len(request["device_ids"]) == 1, name
+        gpus += request["device_ids"]
+        # the setting is valid there and names that GPU, cuda:0, and no other
+        env = service["environment"]
+        assert env["KDEQ_DEVICE"] == "cuda", name
+        devices = [torch.device(d) for d in compose_settings(service).devices()]
+        assert [(d.type, d.index or 0) for d in devices] == [("cuda", 0)], name
+        # Prometheus scrapes it: its DNS names include every name the kdeq job asks for
+        assert kdeq_dns_names() <= dns_names(name, service), name
+        # the rest is the base service (extends and the merge kept it)
+        for key in ("build", "healthcheck", "volumes", "ports", "stop_grace_period", "restart"):
+            assert service[key] == base[key], (name, key)
+        assert {k: v for k, v in env.items() if k != "KDEQ_DEVICE"} == {
+            k: v for k, v in base["environment"].items() if k != "KDEQ_DEVICE"
+        }, name
+    # distinct GPUs, numbered from 0 as nvidia-smi numbers them, none skipped
+    assert sorted(gpus, key=int) == [str(i) for i in range(len(replicas))]
 
 
 # --- Grafana ---------------------------------------------------------------------------------
@@ -262,3 +354,117 @@ def test_dockerfile_promises() -> None:
     assert "COPY --chown=kdeq:kdeq models/ /models/" in text and 'VOLUME ["/models"]' in text
     rules = [r for r in (ROOT / ".dockerignore").read_text().splitlines() if r and not r.startswith("#")]
     assert rules[0] == "*" and "!bench/" not in rules and "!tests/" not in rules  # an allow-list
+
+
+def dockerfile_lines() -> list[str]:
+    """The Dockerfile's instructions as Docker reads them: continuation lines joined."""
+    return (ROOT / "Dockerfile").read_text().replace("\\\n", "").splitlines()
+
+
+def index_cuda(url: str) -> str | None:
+    """The CUDA of a PyTorch wheel index: ``.../whl/cu130`` is 13.0, ``.../whl/cpu`` none."""
+    variant = url.rstrip("/").rsplit("/", 1)[-1]
+    if variant == "cpu":
+        return None
+    major, minor = re.fullmatch(r"cu(\d+)(\d)", variant).groups()
+    return f"{major}.{minor}"
+
+
+def image_cuda(image: str) -> str | None:
+    """The CUDA of a base image: ``nvidia/cuda:13.0.2-...`` is 13.0, any other image none."""
+    found = re.match(r"(?:\S+/)?nvidia/cuda:(\d+)\.(\d+)", image)
+    return f"{found[1]}.{found[2]}" if found else None
+
+
+def test_torch_wheel_and_base_image_name_the_same_cuda_in_every_variant() -> None:
+    lines = dockerfile_lines()
+    defaults = dict(re.findall(r"^ARG (BASE_IMAGE|TORCH_INDEX)=(\S+)", "\n".join(lines), re.M))
+    assert index_cuda(defaults["TORCH_INDEX"]) == image_cuda(defaults["BASE_IMAGE"]) is not None
+    # every pair the Dockerfile and the deployment page show agrees, the CPU one included
+    pairs = re.findall(
+        r"--build-arg BASE_IMAGE=(\S+)[\s\\#]+--build-arg TORCH_INDEX=(\S+)",
+        (ROOT / "Dockerfile").read_text() + (ROOT / "docs" / "deployment.md").read_text(),
+    )
+    assert {index_cuda(index) for _, index in pairs} >= {None, "12.6"}
+    for image, index in pairs:
+        assert index_cuda(index) == image_cuda(image), (image, index)
+    # and so do the compose builds, GPU and CPU
+    for names, cuda in (
+        (["docker-compose.yml"], "13.0"),
+        (["docker-compose.yml", "docker-compose.cpu.yml"], None),
+    ):
+        args = {
+            k: interpolate(v) for k, v in load_compose(*names)["services"]["kdeq"]["build"]["args"].items()
+        }
+        assert index_cuda(args["TORCH_INDEX"]) == image_cuda(args["BASE_IMAGE"]) == cuda, names
+    # torch itself comes from that index alone, before the other dependencies fill in its own
+    text = "\n".join(line for line in lines if not line.startswith("#"))
+    assert 'torch_from="--index-url ${TORCH_INDEX}"' in text and "--extra-index-url" not in text
+    assert text.index("--no-deps ${torch_from} -c constraints.txt torch") < text.index("-r requirements.txt")
+
+
+def cuda_check() -> str:
+    """The Python the build runs to compare torch's CUDA with the base image's."""
+    (code,) = [
+        m[1] for line in dockerfile_lines() if (m := re.match(r"RUN /opt/kdeq/bin/python -c '(.*)'$", line))
+    ]
+    return code
+
+
+def test_build_stops_on_a_torch_built_for_another_cuda() -> None:
+    lines = dockerfile_lines()
+    check = next(i for i, line in enumerate(lines) if "torch.version.cuda" in line)
+    installed = next(i for i, line in enumerate(lines) if "-r requirements.txt" in line)
+    copied = lines.index("COPY kdeq/ kdeq/")
+    assert installed < check < copied  # after torch is installed, in the build stage, before the code
+
+    def build_check(cuda_version: str | None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VERSION"}
+        if cuda_version is not None:
+            env["CUDA_VERSION"] = cuda_version  # as the nvidia/cuda base images set it
+        return subprocess.run(
+            [sys.executable, "-c", cuda_check()], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    # the same snippet, run against this machine's torch: a base naming its CUDA (none for a CPU
+    # wheel) passes, any other CUDA stops the build with both versions in the message
+    same = None if torch.version.cuda is None else f"{torch.version.cuda}.1"
+    done = build_check(same)
+    assert done.returncode == 0, done.stderr
+    done = build_check("99.9.0")
+    assert done.returncode == 1
+    assert f"built for CUDA {torch.version.cuda} but the base image has CUDA 99.9" in done.stderr
+    if torch.version.cuda is None:  # a CPU wheel on a CUDA base, the mistake issue 20 found
+        done = build_check("13.0.2")
+        assert done.returncode == 1 and "CUDA None but the base image has CUDA 13.0" in done.stderr
+
+
+def test_runtime_image_sets_the_allocator_torch_reads() -> None:
+    lines = dockerfile_lines()
+    last = max(i for i, line in enumerate(lines) if line.startswith("FROM "))
+    env = dict(
+        word.split("=", 1)
+        for line in lines[last:]
+        if line.startswith("ENV ")
+        for word in shlex.split(line)[1:]
+    )
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    # this torch reads that name (its alias removed) and accepts the value; a malformed one raises
+    clean = {k: v for k, v in os.environ.items() if not k.endswith("ALLOC_CONF")}
+    code = "import torch; print(torch._C._accelerator_getAllocatorSettings())"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, "PYTORCH_ALLOC_CONF": env["PYTORCH_ALLOC_CONF"]},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == env["PYTORCH_ALLOC_CONF"], done.stderr
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**clean, "PYTORCH_ALLOC_CONF": "expandable_segments:true"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "Expected 'True' or 'False'" in done.stderr
