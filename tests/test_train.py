@@ -1,12 +1,8 @@
-"""The trainer (``kdeq.train``): constraints, data, the loop's rollback/resume/DDP, the checkpoint it writes,
-and the init-compare experiment. Every test makes its own images, so none needs ``../shared``."""
+"""The trainer (``kdeq.train``): constraints, data, the loop's rollback and resume, the checkpoint it
+writes, and the init-compare experiment (distributed training: ``test_distributed``). Every test
+makes its own images, so none needs ``../shared``."""
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -423,35 +419,6 @@ def test_cli_refuses_bad_settings(folders, tmp_path: Path, capsys: pytest.Captur
     empty.mkdir()
     assert only_train_from(empty, str(tmp_path / "c" / "1")) == 2
     assert "no PNG" in capsys.readouterr().err
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_cpu_ranks_train_identical_weights(folders, tmp_path: Path) -> None:
-    """``torchrun`` with two gloo processes: DistributedDataParallel keeps the ranks' parameters equal."""
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
-    assert torchrun, "torchrun comes with torch"
-    train_dir, val_dir = folders
-    out = tmp_path / "ddp" / "1"
-    cmd = [
-        torchrun, "--nproc_per_node", "2", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-        "-m", "kdeq.train", "--task", "inpaint", "--train", str(train_dir), "--val", str(val_dir),
-        "--out", str(out), "--epochs", "1", "--samples-per-epoch", "16", "--batch-size", "2",
-        "--patch-size", "24", "--device", "cpu", "--workers", "0", "--quiet",
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run = json.loads((out / "report" / "run.json").read_text())
-    assert run["world_size"] == 2
-    assert run["max_rank_difference"] == 0.0
-    assert run["history"]["step"] == 16 // (2 * 2)
-    load_checkpoint(out)
 
 
 # --- the committed fine-tuned checkpoints ------------------------------------------------------------

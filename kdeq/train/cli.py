@@ -63,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
     p.add_argument("--workers", type=int, default=1, help="data-loading processes")
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="under torchrun: how long a rank waits for the others, rank 0's validation included",
+    )
     p.add_argument("--resume", action="store_true", help="continue from OUT/train-state")
     p.add_argument("--stop-after", type=int, metavar="EPOCH", help="end after this epoch (resume later)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

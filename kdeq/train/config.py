@@ -47,8 +47,11 @@ class TrainConfig(BaseModel):
         val_limit, val_crop: at most this many validation images, centre-cropped to this side (0: whole).
         channels: 1 (grey; colour files become luminance) or 3.
         seed, device, workers: randomness, ``auto``/``cpu``/``cuda[:N]``, data-loading processes.
-        resume: continue from ``out/train-state`` (same settings; ``stop_after``, ``workers`` and
-            ``device`` may differ).
+        dist_timeout: under ``torchrun``, seconds a rank waits in a collective before the run fails.
+            Every other rank waits while rank 0 validates and writes an epoch's results, so this
+            must exceed that (the backends' own defaults, 10 minutes for nccl, may not).
+        resume: continue from ``out/train-state`` (same settings; ``stop_after``, ``workers``,
+            ``device`` and ``dist_timeout`` may differ).
         stop_after: end this process after that epoch (state saved), e.g. in time-limited jobs.
     """
 
@@ -90,6 +93,7 @@ class TrainConfig(BaseModel):
     seed: int = 0
     device: str = "auto"
     workers: int = Field(1, ge=0)
+    dist_timeout: float = Field(3600.0, gt=0)
     resume: bool = False
     stop_after: int | None = Field(None, ge=1)
 
@@ -111,8 +115,11 @@ class TrainConfig(BaseModel):
                     f"val level {level:g} is not a noise level in [0, 255] (denoise), an index into "
                     f"mask_kinds (inpaint) or a flip fraction in [0, 0.5] (segment)"
                 )
-        if self.model_spec().task != self.task:
-            raise ValueError(f"spec {self.spec!r} is a {self.model_spec().task} model, not {self.task}")
+        spec = self.model_spec()
+        if spec.task != self.task:
+            raise ValueError(f"spec {self.spec!r} is a {spec.task} model, not {self.task}")
+        if self.pilot_epochs and spec.architecture.net is None:
+            raise ValueError(f"pilot_epochs needs a model with a network; spec {self.spec!r} has none")
         return self
 
     def model_spec(self) -> ModelSpec:

@@ -19,6 +19,11 @@ the checkpoint to ``out`` when validation improved, the training state to
 state and continues with the next epoch; since every sample is a function of
 ``(seed, epoch, index)`` (``kdeq.train.data``), the result equals an
 uninterrupted run's.
+
+A model with a guide network trains in two phases (``pilot_epochs``, then the
+whole model), and each phase's loss reaches only some parameters: each epoch
+trains through a DistributedDataParallel wrapper of its own over exactly its
+phase's parameters (``_epoch_net``).
 """
 
 from __future__ import annotations
@@ -31,16 +36,19 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from kdeq.checkpoint import Provenance, save_checkpoint
+from kdeq.precision import ieee_float32
 from kdeq.predictor import SolverOverride, resolve_device
 from kdeq.train.config import TrainConfig
 from kdeq.train.data import (
@@ -157,8 +165,9 @@ def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
 
 def _fingerprint(cfg: TrainConfig, world: int) -> str:
     """What must not change between a run and its resumption: the settings (but ``resume``,
-    ``stop_after``, ``workers``, ``device``) and the number of ranks, which sets the step's batch."""
-    data = cfg.model_dump(mode="json", exclude={"resume", "stop_after", "workers", "device"})
+    ``stop_after``, ``workers``, ``device``, ``dist_timeout``) and the number of ranks, which sets
+    the step's batch."""
+    data = cfg.model_dump(mode="json", exclude={"resume", "stop_after", "workers", "device", "dist_timeout"})
     data["world_size"] = world
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -183,12 +192,32 @@ class Rank:
         return self.rank == 0
 
 
-def _device(cfg: TrainConfig, rank: Rank) -> torch.device:
+def distributed_setup(device_type: str, local_rank: int, cuda_devices: int) -> tuple[str, torch.device]:
+    """The process-group backend and this rank's device in a distributed run on ``device_type``
+    (``cpu`` or ``cuda``): gloo on the CPU; nccl on ``cuda:local_rank`` (one GPU per process on
+    each machine, whatever index ``--device`` named). ``ValueError`` when this machine has no such
+    GPU among its ``cuda_devices`` visible ones, which would otherwise fail inside CUDA."""
+    if device_type != "cuda":
+        return "gloo", torch.device("cpu")
+    if local_rank >= cuda_devices:
+        raise ValueError(
+            f"LOCAL_RANK {local_rank} needs CUDA device {local_rank}, but this machine has {cuda_devices} "
+            f"visible (CUDA_VISIBLE_DEVICES); start at most {cuda_devices} processes per machine "
+            "(torchrun --nproc_per_node) or train on the CPU (--device cpu)"
+        )
+    return "nccl", torch.device("cuda", local_rank)
+
+
+def _device(cfg: TrainConfig, rank: Rank) -> tuple[torch.device, str]:
+    """This process's device and, in a distributed run, its process-group backend (else ``""``)."""
     dev = resolve_device(cfg.device)
-    if dev.type == "cuda" and rank.world > 1:
-        dev = torch.device("cuda", rank.local)
+    if rank.world == 1:
+        return dev, ""
+    cuda_devices = torch.cuda.device_count() if dev.type == "cuda" else 0
+    backend, dev = distributed_setup(dev.type, rank.local, cuda_devices)
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    return dev
+    return dev, backend
 
 
 def _to(ex: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -233,7 +262,7 @@ def _load_state(directory: Path, model: TrainableModel, opt: torch.optim.Adam, f
     if meta["fingerprint"] != fp:
         raise ValueError(
             f"{directory}: these settings or the number of ranks differ from the run being resumed "
-            "(only --stop-after, --workers and --device may change)"
+            "(only --stop-after, --workers, --device and --dist-timeout may change)"
         )
     tensors = load_file(str(directory / "state.safetensors"))
     params = dict(model.named_parameters())
@@ -296,10 +325,16 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
     every batch.
     """
     rank = Rank.from_env()
-    device = _device(cfg, rank)
+    device, backend = _device(cfg, rank)
     owned = rank.world > 1 and not dist.is_initialized()
     if owned:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # device_id binds nccl's communicator to this rank's GPU up front (a barrier would otherwise
+        # guess it); the timeout must outlast rank 0's validation, which the other ranks wait for
+        dist.init_process_group(
+            backend,
+            timeout=timedelta(seconds=cfg.dist_timeout),
+            device_id=device if device.type == "cuda" else None,
+        )
     try:
         return _train(cfg, progress, rank, device)
     finally:
@@ -330,7 +365,6 @@ def _train(
         raise ValueError(f"{cfg.out} already holds a checkpoint; choose another version or --resume")
     else:
         hist = History()
-    net = DistributedDataParallel(model) if rank.world > 1 else model
 
     corruption = Corruption(cfg.task, cfg.sigma, cfg.clip_noise, cfg.mask_kinds, cfg.missing, (0.0, cfg.flip))
     train_files = image_files(cfg.train)
@@ -364,7 +398,10 @@ def _train(
 
     last = min(cfg.epochs, cfg.stop_after or cfg.epochs)
     bar = progress(total=(last - hist.epoch) * steps_per_epoch) if progress and rank.main else None
-    for epoch in range(hist.epoch + 1, last + 1):
+    first = hist.epoch + 1
+    for epoch in range(first, last + 1):
+        pilot_only = epoch <= cfg.pilot_epochs
+        net = _epoch_net(model, pilot_only, rank, device, sync=epoch == first)
         # the state an epoch starts from was validated; it is the first "last good state", here and
         # after a resume alike
         good = _snapshot(model, opt)
@@ -389,12 +426,14 @@ def _train(
                 g["lr"] = base_lr * g["scale"]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
-                out, iterations, converged, pilot = net(batch, train_override, epoch <= cfg.pilot_epochs)
+                out, iterations, converged, pilot = net(batch, train_override, pilot_only)
                 loss = loss_fn(cfg.task, cfg.loss, out, batch["target"])
                 if pilot is not None and cfg.pilot_loss > 0:
                     loss = loss + cfg.pilot_loss * loss_fn(cfg.task, cfg.loss, pilot, batch["target"])
                 opt.zero_grad(set_to_none=False)
-                loss.backward()
+                # the backward's convolutions run outside the forward's IEEE section (kdeq.precision)
+                with ieee_float32():
+                    loss.backward()
             # the adjoint solve's shortfalls are counted, not printed at every step; others pass through
             for w in caught:
                 if "implicit backward" in str(w.message):
@@ -471,6 +510,31 @@ def _train(
     if rank.main:
         (report_dir / "run.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
+
+
+def _epoch_net(
+    model: TrainableModel, pilot_only: bool, rank: Rank, device: torch.device, sync: bool
+) -> nn.Module:
+    """What an epoch's steps call: ``model`` with only its phase's parameters requiring gradients
+    (``TrainableModel.set_phase``), wrapped, in a distributed run, in a DistributedDataParallel of
+    its own, which reduces exactly those. ``sync``: broadcast rank 0's parameters first.
+
+    One wrapper over every parameter fails at the pilot phase's second step: it waits for the
+    gradients of the kernel banks, ``λ`` and ``β``, which the pilot's loss never produces.
+    ``find_unused_parameters`` would walk the autograd graph at every step and still all-reduce
+    zeros for those parameters; ``static_graph`` assumes one graph for the whole run, which the
+    switch to the whole model breaks. A wrapper per epoch costs one reducer set-up an epoch, and
+    makes its gradient buckets, which it lays out afresh after its first step (the layout can
+    change the order of the all-reduce's sums beyond two ranks), a function of the epoch alone: a
+    resumed run, which starts at an epoch, reduces exactly as an uninterrupted one. Only a
+    process's first wrapper broadcasts: the ranks' starts are computed on each machine (where
+    rounding may differ), but from then on identical steps keep them equal, which
+    ``max_rank_difference`` checks and a broadcast every epoch would hide."""
+    model.set_phase(pilot_only)
+    if rank.world == 1:
+        return model
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, init_sync=sync)
 
 
 def _roll_back(

@@ -160,7 +160,27 @@ class TrainableModel(nn.Module):
         #: steps ``project_`` shortened to stay PSD (reported by the trainer)
         self.truncated_steps = 0
         self._feasible: torch.Tensor | None = None
+        #: what training may move at all; ``set_phase`` narrows ``requires_grad`` to a phase's share
+        self._trainable = [n for n, p in self.named_parameters() if p.requires_grad]
         self.project_()
+
+    def phase_parameters(self, pilot_only: bool) -> list[str]:
+        """The names of the parameters a phase's loss depends on, in ``named_parameters`` order:
+        every trainable one for the whole model; for the pilot phase (``pilot_only``) the guide
+        network's, its mean mixing ``β`` excepted, which only enters the solve's mean, as the
+        kernel banks and the ``λ`` factor do."""
+        if not pilot_only:
+            return list(self._trainable)
+        return [n for n in self._trainable if n.startswith("raw.net_") and n != "raw.net_mean_mix"]
+
+    def set_phase(self, pilot_only: bool) -> None:
+        """Let only ``phase_parameters(pilot_only)`` require gradients. A parameter that no loss of
+        the phase reaches then has no gradient at all, rather than one DistributedDataParallel waits
+        for (it reduces the parameters that require gradients), and autograd builds no graph for
+        the constrained views of the parameters the phase leaves alone."""
+        trained = set(self.phase_parameters(pilot_only))
+        for name, p in self.named_parameters():
+            p.requires_grad_(name in trained)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The checkpoint tensors: constrained views of the parameters (differentiable)."""
