@@ -225,8 +225,21 @@ def apply_weights(weights: torch.Tensor, x: torch.Tensor, offsets: Offsets | Non
     return out + back[..., r : r + height, r : r + width]
 
 
-#: default memory for weight maps and their temporaries (bytes); beyond it they are recomputed
+#: memory for weight maps and their temporaries on a CPU (bytes); beyond it they are recomputed
 WEIGHT_BUDGET = 1 << 30
+#: share of a CUDA device's free memory the weight maps may take (the rest is for the solve itself,
+#: the other models and a batch's other tensors)
+WEIGHT_BUDGET_FREE_SHARE = 0.25
+
+
+def weight_budget(device: torch.device) -> int:
+    """Bytes the guided kernel's weight maps may take on ``device``: ``WEIGHT_BUDGET`` on a CPU, and
+    ``WEIGHT_BUDGET_FREE_SHARE`` of the memory free on a CUDA device when this is called (a model
+    asks when it is loaded; the figure counts what every process on the device holds)."""
+    if device.type != "cuda":
+        return WEIGHT_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * WEIGHT_BUDGET_FREE_SHARE)
 
 
 class GuidedOperator:

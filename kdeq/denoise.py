@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kdeq.adaptive import WEIGHT_BUDGET, GuidedMap, GuidedOperator
+from kdeq.adaptive import GuidedMap, GuidedOperator, weight_budget
 from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
@@ -44,7 +44,7 @@ class Denoiser(Predictor):
         #: factor on the guided kernel's bandwidth ``h`` (learned by the trainer, 1 when loaded)
         self.bandwidth_scale: float | torch.Tensor = 1.0
         #: bytes the guided kernel's weight maps may take before they are recomputed per use
-        self.weight_budget = WEIGHT_BUDGET
+        self.weight_budget = weight_budget(self.device)
 
     @property
     def pads_exactly(self) -> bool:

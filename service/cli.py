@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve with settings from the environment, overridden by ``args``; 2 on invalid settings."""
+    """Serve with settings from the environment, overridden by ``args``; the exit status: 2 on
+    invalid settings (a CUDA device that is not usable included, with the reason), 3 after a device
+    failed while serving, else 0."""
     try:
         settings = Settings.from_env(
             os.environ, host=args.host, port=args.port, device=args.device, models_dir=args.models_dir
@@ -28,8 +30,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from service.server import serve
 
-    serve(settings)
-    return 0
+    return serve(settings)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

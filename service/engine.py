@@ -9,10 +9,22 @@ same ``batch_key`` (same model, image shape and batch-wide options) up to
 decoded (``incoming``), since otherwise nothing can join. Blocking torch work
 runs only on the workers, never on the event loop.
 
+Each worker first runs ``prepare(device)`` on its own thread (the service selects
+the device there and warms the models up, so the thread's CUDA handles exist
+before the first request); ``start`` returns, and the engine admits requests,
+once every worker has prepared.
+
 When the runner refuses a batch with a 503 (the device ran out of memory), the
 batch's requests get that 503 and the batch limit halves (a single request's
 refusal leaves it alone); it grows back by one after ``RECOVERY_BATCHES`` full
-batches succeed at the lower limit.
+batches succeed at the lower limit. A failed batch is retried request by
+request only after its exception is gone, so the failed attempt's tensors are
+freed before the retry runs.
+
+When the runner raises ``DeviceFailedError`` (a sticky device error), or ``prepare``
+fails, the device is retired: its worker ends, the batch's and every queued
+request get 503 ``device_failed``, new requests are refused, and ``failure``
+names the device (the service then exits so that it is restarted).
 
 Admission counts from arrival: ``admit`` refuses a request (503 ``queue_full``)
 when the queued requests plus those admitted but not yet queued (uploading,
@@ -31,7 +43,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.errors import ApiError
+from service.errors import ApiError, DeviceFailedError
 from service.metrics import Metrics
 
 log = logging.getLogger("kdeq.service")
@@ -68,6 +80,8 @@ class Job:
 
 # runs a batch of compatible jobs on a device; returns one result per job, in order
 BatchRunner = Callable[[str, Sequence[Job]], Sequence[Any]]
+# readies a worker thread for its device before it takes any batch
+Prepare = Callable[[str], None]
 
 
 class Engine:
@@ -93,19 +107,29 @@ class Engine:
         self._cond = threading.Condition()
         self._incoming = 0
         self._stopping = False
+        self._accepting = False
         self._threads: list[threading.Thread] = []
+        self.failures: dict[str, str] = {}
         self.batch_limit = max_batch_size
         self._streak = 0
         metrics.batch_limit.set(max_batch_size)
 
-    def start(self, devices: Sequence[str]) -> None:
-        """Start one worker thread per device."""
+    def start(self, devices: Sequence[str], prepare: Prepare | None = None) -> None:
+        """Start one worker thread per device, each running ``prepare(device)`` first; return, and
+        admit requests, once every worker has prepared (or failed to)."""
+        prepared = []
         for device in devices:
+            done = threading.Event()
             thread = threading.Thread(
-                target=self._work, args=(device,), name=f"kdeq-worker-{device}", daemon=True
+                target=self._work, args=(device, prepare, done), name=f"kdeq-worker-{device}", daemon=True
             )
             thread.start()
             self._threads.append(thread)
+            prepared.append(done)
+        for done in prepared:
+            done.wait()
+        with self._cond:
+            self._accepting = True
 
     def stop(self) -> None:
         """Let the workers finish every queued job, then end them."""
@@ -125,6 +149,11 @@ class Engine:
     def alive(self) -> bool:
         """Whether every worker thread is running."""
         return bool(self._threads) and all(t.is_alive() for t in self._threads)
+
+    @property
+    def failure(self) -> str | None:
+        """``device: reason`` of the first retired device, ``None`` while every device is healthy."""
+        return next((f"{device}: {reason}" for device, reason in self.failures.items()), None)
 
     def admit(self) -> Ticket:
         """Count a new request against the queue's capacity from its arrival (before its upload is
@@ -160,8 +189,11 @@ class Engine:
             self._incoming -= 1
 
     def _refusal(self, admitted: int) -> ApiError | None:
-        """The 503 for a new request now (stopping, or ``admitted`` + queued fill the queue), counted."""
-        if self._stopping or not self._threads:
+        """The 503 for a new request now (stopping, a device failed, not started, or ``admitted`` +
+        queued fill the queue), counted."""
+        if self.failures:
+            return self._failed_device()
+        if self._stopping or not self._accepting:
             reason = "draining" if self._stopping else "not_ready"
             self.metrics.rejected.labels(reason).inc()
             return ApiError(503, reason, "the inference engine is not running", {"Retry-After": "5"})
@@ -175,12 +207,19 @@ class Engine:
             )
         return None
 
+    def _failed_device(self) -> DeviceFailedError:
+        """The 503 for a request that can no longer be served because a device failed, counted."""
+        self.metrics.rejected.labels("device_failed").inc()
+        device, reason = next(iter(self.failures.items()))
+        return DeviceFailedError(device, reason)
+
     async def infer(self, job: Job, ticket: Ticket | None = None) -> Any:
         """Queue ``job`` and await its result; 503 when the queue is full, 504 past the deadline."""
         with self._cond:
             self._arrived(ticket)
-            # an admitted request already holds its place; one without a ticket must find one
-            refusal = self._refusal(0) if ticket is None else None
+            # an admitted request already holds its place (and is served while draining); one
+            # without a ticket must find one; after a device failure nothing is queued
+            refusal = self._refusal(0) if ticket is None or self.failures else None
             if refusal is not None:
                 raise refusal
             job.enqueued_at = time.monotonic()
@@ -221,7 +260,17 @@ class Engine:
             self.metrics.queue_depth.set(len(self._queue))
             return batch
 
-    def _work(self, device: str) -> None:
+    def _work(self, device: str, prepare: Prepare | None, prepared: threading.Event) -> None:
+        try:
+            if prepare is not None:
+                prepare(device)
+        except Exception as err:  # a worker that cannot ready its device cannot serve on it
+            log.exception("worker %s could not prepare its device", device)
+            failure = err if isinstance(err, DeviceFailedError) else DeviceFailedError(device, str(err))
+            self._retire(device, failure)
+            return
+        finally:
+            prepared.set()
         while (batch := self._take_batch()) is not None:
             batch = [job for job in batch if not job.future.done()]
             if not batch:
@@ -232,8 +281,24 @@ class Engine:
                 log.exception("worker %s failed on a batch of %d", device, len(batch))
                 outcomes = [err] * len(batch)
             for job, outcome in zip(batch, outcomes, strict=True):
-                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
-                    job.loop.call_soon_threadsafe(_deliver, job.future, outcome)
+                _send(job, outcome)
+            failed = next((o for o in outcomes if isinstance(o, DeviceFailedError)), None)
+            if failed is not None:
+                self._retire(device, failed)
+                return
+
+    def _retire(self, device: str, failure: DeviceFailedError) -> None:
+        """Take ``device`` out of service: record why, refuse new requests and fail every queued
+        one (nothing can be solved on it any more, and the process is about to exit)."""
+        log.critical("device %s failed: %s; it takes no more batches", device, failure.reason)
+        with self._cond:
+            self.failures.setdefault(device, failure.reason)
+            queued = list(self._queue)
+            self._queue.clear()
+            self.metrics.queue_depth.set(0)
+            self._cond.notify_all()
+        for job in queued:
+            _send(job, self._failed_device())
 
     def _solve(self, device: str, batch: list[Job]) -> list[Any]:
         start = time.monotonic()
@@ -254,18 +319,25 @@ class Engine:
         request cannot fail the others."""
         try:
             outcomes = list(self.run_batch(device, batch))
+        except DeviceFailedError as err:  # nothing more runs on this device: no retry
+            self.metrics.rejected.labels("device_failed").inc(len(batch))
+            return [err] * len(batch)
         except Exception as err:
             if isinstance(err, ApiError) and err.status_code == 503:  # the device could not take it
                 self._back_off(len(batch), err)
                 return [err] * len(batch)
             if len(batch) == 1:
                 return [err]
-            log.warning("batch of %d failed (%s); retrying each request alone", len(batch), err)
-            for job in batch:
-                job.batch_size = 1
-            return [self._run(device, [job])[0] for job in batch]
-        self._recover(len(batch))
-        return outcomes
+            # the message, not the exception: a handler may keep the record, and with it the frames
+            log.warning("batch of %d failed (%s); retrying each request alone", len(batch), str(err))
+        else:
+            self._recover(len(batch))
+            return outcomes
+        # here, past the except clause, the failed attempt's exception is gone, and with it the frames
+        # (and tensors) its traceback held: the retries do not run beside the failed batch's memory
+        for job in batch:
+            job.batch_size = 1
+        return [self._run(device, [job])[0] for job in batch]
 
     def _back_off(self, size: int, err: ApiError) -> None:
         self.metrics.rejected.labels("out_of_memory").inc(size)
@@ -287,6 +359,12 @@ class Engine:
             self.batch_limit += 1
             self._streak = 0
             self.metrics.batch_limit.set(self.batch_limit)
+
+
+def _send(job: Job, outcome: Any) -> None:
+    """Hand ``outcome`` to ``job``'s waiter on its event loop (from a worker thread)."""
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+        job.loop.call_soon_threadsafe(_deliver, job.future, outcome)
 
 
 def _deliver(future: asyncio.Future, outcome: Any) -> None:

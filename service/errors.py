@@ -36,6 +36,18 @@ class ApiError(StarletteHTTPException):
         self.error = error
 
 
+class DeviceFailedError(ApiError):
+    """503 ``device_failed``: ``device`` hit a sticky error (``reason``), after which nothing more
+    can run on it in this process; the engine retires the device and the process exits to be
+    restarted."""
+
+    def __init__(self, device: str, reason: str) -> None:
+        detail = f"{device} failed and this replica is restarting; retry on another: {reason}"
+        super().__init__(503, "device_failed", detail, {"Retry-After": "5"})
+        self.device = device
+        self.reason = reason
+
+
 STATUS_CODES = {
     400: "bad_request",
     401: "unauthorized",
@@ -66,7 +78,7 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     422: {"model": ErrorBody, "description": "a value out of range, or mask and image sizes differ"},
     503: {
         "model": ErrorBody,
-        "description": "not ready, draining, queue full or out of memory; see `Retry-After`",
+        "description": "not ready, draining, queue full, out of memory or device failed; see `Retry-After`",
     },
     504: {"model": ErrorBody, "description": "no result within the request timeout"},
 }

@@ -8,6 +8,7 @@ one of ``REJECTION_REASONS``.
 
 from __future__ import annotations
 
+import logging
 import math
 import platform
 from collections.abc import Iterable, Iterator
@@ -27,6 +28,8 @@ from prometheus_client.registry import Collector
 
 from service import __version__
 
+log = logging.getLogger("kdeq.service")
+
 # the statuses the inference routes answer with; their series start at 0 so that rate() sees the
 # first error (a counter series born at 3 has no increase until its next change)
 INFERENCE_ROUTES = frozenset({"/denoise", "/inpaint", "/segment"})
@@ -39,6 +42,7 @@ REJECTION_REASONS = (
     "body_too_large",
     "too_many_pixels",
     "out_of_memory",
+    "device_failed",
 )
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 RESIDUAL_BUCKETS = tuple(10.0**e for e in range(-10, 1))
@@ -64,10 +68,18 @@ def iteration_buckets(caps: Iterable[int]) -> tuple[float, ...]:
 
 class CudaMemoryCollector(Collector):
     """Per device, read at scrape: this process's caching allocator (allocated, reserved bytes) and
-    the device as a whole (free and total bytes, whoever holds the rest)."""
+    the device as a whole (free and total bytes, whoever holds the rest).
+
+    A device is read only once its worker has selected it (``activate``): reading one before would
+    initialise CUDA, or create that device's context, on the event loop that serves the scrape."""
 
     def __init__(self, devices: list[str]) -> None:
         self.devices = [torch.device(d) for d in devices if d.startswith("cuda")]
+        self._active: set[torch.device] = set()
+
+    def activate(self, device: str) -> None:
+        """Start reading ``device`` (called by its worker thread once CUDA is initialised on it)."""
+        self._active.add(torch.device(device))
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = {
@@ -85,6 +97,8 @@ class CudaMemoryCollector(Collector):
             "total": GaugeMetricFamily("kdeq_cuda_memory_total_bytes", "device memory", labels=["device"]),
         }
         for dev in self.devices:
+            if dev not in self._active:
+                continue
             label = [str(dev)]
             free, total = torch.cuda.mem_get_info(dev)
             families["allocated"].add_metric(label, torch.cuda.memory_allocated(dev))
@@ -92,6 +106,30 @@ class CudaMemoryCollector(Collector):
             families["free"].add_metric(label, free)
             families["total"].add_metric(label, total)
         yield from families.values()
+
+
+class GuardedCollector(Collector):
+    """``inner``'s metric families, or none at a scrape where it raises, so that a collector's error
+    never fails ``/metrics``. Every error counts in ``errors{collector=name}``; the first is logged
+    with its traceback, later ones are not (a broken collector would log at every scrape)."""
+
+    def __init__(self, inner: Collector, name: str, errors: Counter) -> None:
+        self.inner = inner
+        self.name = name
+        self.errors = errors
+        self._logged = False
+        errors.labels(name)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            families = list(self.inner.collect())
+        except Exception:
+            self.errors.labels(self.name).inc()
+            if not self._logged:
+                self._logged = True
+                log.exception("metrics collector %s failed; its series are left out of scrapes", self.name)
+            families = []
+        yield from families
 
 
 class Metrics:
@@ -185,8 +223,18 @@ class Metrics:
         for endpoint in sorted(INFERENCE_ROUTES):
             for status in INFERENCE_STATUSES:
                 self.http_requests.labels(endpoint, status)
+        # registered after the collectors it watches, so that a scrape shows its own errors
+        self.collector_errors = Counter(
+            "kdeq_metrics_collector_errors",
+            "scrapes at which a collector failed (its series were left out)",
+            ["collector"],
+            registry=None,
+        )
+        self.cuda_memory: CudaMemoryCollector | None = None
         if any(d.startswith("cuda") for d in devices):
-            r.register(CudaMemoryCollector(devices))
+            self.cuda_memory = CudaMemoryCollector(devices)
+            r.register(GuardedCollector(self.cuda_memory, "cuda_memory", self.collector_errors))
+        r.register(self.collector_errors)
 
     def observe_solve(
         self, endpoint: str, model: str, iterations: int, residual: float, converged: bool
@@ -197,6 +245,11 @@ class Metrics:
         self.solver_residual.labels(endpoint, model).observe(value)
         if not converged:
             self.solver_nonconverged.labels(endpoint, model).inc()
+
+    def device_ready(self, device: str) -> None:
+        """``device``'s worker has selected it: its memory may be read at scrapes from now on."""
+        if self.cuda_memory is not None and device.startswith("cuda"):
+            self.cuda_memory.activate(device)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

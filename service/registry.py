@@ -2,12 +2,15 @@
 
 A model that fails to load or to warm up is kept in the registry with its
 error (``GET /models``, ``kdeq_model_ready{model}=0``, a log line naming the
-file and the reason); the others are served.
+file and the reason); the others are served. Models load on the loader thread
+(``load``) and warm up on each device's inference worker (``warm``), the
+thread that serves them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +18,8 @@ from pathlib import Path
 from kdeq.checkpoint import CheckpointError, ModelConfig, read_config
 from kdeq.predictor import Predictor
 from kdeq.repository import NAME, VERSION, find_model, list_models, load_predictor
-from service.errors import ApiError
+from service.devices import classify
+from service.errors import ApiError, DeviceFailedError
 from service.tasks import solve_batch, warmup_input
 
 log = logging.getLogger("kdeq.service")
@@ -49,6 +53,7 @@ class ModelRegistry:
     def __init__(self, root: Path, names: tuple[str, ...]) -> None:
         self.root = root
         self.slots: dict[str, ModelSlot] = {}
+        self._lock = threading.Lock()  # workers warming up on several devices may fail a model at once
         if not names:
             latest: dict[str, int] = {}
             for entry in list_models(root):
@@ -75,8 +80,8 @@ class ModelRegistry:
     def iteration_caps(self) -> list[int]:
         return [s.config.solver.max_iter for s in self.slots.values() if s.config is not None]
 
-    def load(self, devices: list[str], warmup: bool) -> None:
-        """Load every planned model onto every device and warm it up; failures are recorded."""
+    def load(self, devices: list[str]) -> None:
+        """Load every planned model onto every device; failures are recorded."""
         for slot in self.slots.values():
             if slot.error is not None:
                 log.error("model %s not loaded: %s", slot.id, slot.error)
@@ -84,10 +89,7 @@ class ModelRegistry:
             start = time.perf_counter()
             try:
                 for device in devices:
-                    predictor = load_predictor(slot.path, device)
-                    if warmup:
-                        solve_batch(predictor, [warmup_input(predictor.task)])
-                    slot.predictors[device] = predictor
+                    slot.predictors[device] = load_predictor(slot.path, device)
             except Exception as err:  # a broken model must not stop the others from serving
                 slot.predictors.clear()
                 slot.error = str(err) if isinstance(err, CheckpointError) else f"{slot.path}: {err}"
@@ -95,7 +97,34 @@ class ModelRegistry:
                 continue
             slot.load_seconds = time.perf_counter() - start
             slot.ready = True
-            log.info("model %s ready on %s in %.2f s", slot.id, ",".join(devices), slot.load_seconds)
+            log.info("model %s loaded on %s in %.2f s", slot.id, ",".join(devices), slot.load_seconds)
+
+    def warm(self, device: str, sizes: tuple[int, ...]) -> None:
+        """Solve one generated request per ready model and size on ``device``, on the calling thread
+        (its worker). A model that fails is no longer ready, with the reason; a sticky device error
+        raises ``DeviceFailedError``, since no model can run on the device any more."""
+        for slot in self.slots.values():
+            predictor = slot.predictors.get(device)
+            for size in sizes if slot.ready and predictor is not None else ():
+                try:
+                    solve_batch(predictor, [warmup_input(predictor.task, size)])
+                except Exception as err:
+                    if classify(err) == "device":
+                        raise DeviceFailedError(device, str(err)) from None
+                    self._fail(slot, f"{slot.path}: warm-up at {size}×{size} on {device} failed: {err}")
+                    break
+
+    def _fail(self, slot: ModelSlot, error: str) -> None:
+        with self._lock:
+            if slot.ready:
+                slot.ready, slot.error = False, error
+                log.error("model %s not loaded: %s", slot.id, error)
+
+    def settle(self) -> None:
+        """After warm-up: drop the predictors of the models that failed it (no worker uses them now)."""
+        for slot in self.slots.values():
+            if not slot.ready:
+                slot.predictors.clear()
 
     def default(self, task: str) -> ModelSlot | None:
         """The first ready model of ``task`` in the configured order."""

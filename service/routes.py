@@ -419,6 +419,11 @@ class Health(BaseModel):
     status: str
 
 
+class Readiness(BaseModel):
+    status: str
+    detail: str | None = None
+
+
 @router.get("/healthz", summary="Liveness: the process answers (never touches a model)")
 async def healthz() -> Health:
     return Health(status="alive")
@@ -427,13 +432,22 @@ async def healthz() -> Health:
 @router.get(
     "/readyz",
     summary="Readiness: 200 once models are loaded and warm, 503 while starting or draining",
-    responses={503: {"model": Health, "description": "starting, draining, or no model could be loaded"}},
+    responses={
+        200: {"model": Readiness, "description": "ready"},
+        503: {
+            "model": Readiness,
+            "description": "starting, draining, no model could be loaded, or a device failed "
+            "(`detail` names it and the error; the process is exiting to be restarted)",
+        },
+    },
 )
 async def readyz(request: Request) -> JSONResponse:
-    """`{"status": …}`: `ready` (200); `starting`, `draining`, `stopped`, `no_models` or `workers_down`
-    (503)."""
-    status = _service(request).readiness()
-    return JSONResponse({"status": status}, status_code=200 if status == "ready" else 503)
+    """`{"status": …}`: `ready` (200); `starting`, `draining`, `stopped`, `no_models`, `workers_down` or
+    `device_failed` with `detail` (503)."""
+    svc = _service(request)
+    status = svc.readiness()
+    body = {"status": status} if svc.fault is None else {"status": status, "detail": svc.fault}
+    return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
 
 STATIC = Path(__file__).resolve().parent / "static"

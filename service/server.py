@@ -7,6 +7,11 @@ queue empties and the process exits 0. SIGINT, or a second SIGTERM during the
 drain, skips the rest of the drain: uvicorn's own graceful shutdown starts at
 once and the process ends by that signal (a SIGINT during that shutdown stops
 without waiting for requests).
+
+When a device fails (a sticky CUDA error; ``Service.fault``) the server shuts
+down at once — the engine has already answered the queued requests with 503,
+the requests in flight get their answers — and ``serve`` returns
+``EXIT_DEVICE_FAILED``, so that the orchestrator restarts the process.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ import uvicorn
 from service.app import create_app
 from service.settings import Settings
 from service.state import Service
+
+log = logging.getLogger("kdeq.service")
+
+# the exit status after a device failure: non-zero so that a restart policy (`on-failure`) restarts it
+EXIT_DEVICE_FAILED = 3
 
 
 class DrainingServer(uvicorn.Server):
@@ -39,14 +49,17 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
+        if self.service.fault is not None:  # no drain: nothing more can be served here
+            return True
         drain = self.service.settings.drain_seconds
         if self.drain_started is not None and time.monotonic() - self.drain_started >= drain:
             return True
         return await super().on_tick(counter)
 
 
-def serve(settings: Settings) -> None:
-    """Run the server in this process until it is stopped."""
+def serve(settings: Settings) -> int:
+    """Run the server in this process until it is stopped; the exit status: 0, or
+    ``EXIT_DEVICE_FAILED`` when it stopped because a device failed."""
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -59,4 +72,9 @@ def serve(settings: Settings) -> None:
         lifespan="on",
         timeout_graceful_shutdown=int(settings.request_timeout_seconds) + 5,
     )
-    DrainingServer(config, app.state.service).run()
+    service = app.state.service
+    DrainingServer(config, service).run()
+    if service.fault is not None:
+        log.critical("exiting with status %d: device %s", EXIT_DEVICE_FAILED, service.fault)
+        return EXIT_DEVICE_FAILED
+    return 0

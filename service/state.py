@@ -1,23 +1,26 @@
 """The service's lifecycle: starting → ready → draining, and the parts it owns.
 
 ``start()`` returns at once; a background thread loads every configured model
-onto every device, warms each up, starts the inference workers and then marks
-the service ready, so ``/healthz`` answers from the first moment while
-``/readyz`` says 503 until the models are usable.
+onto every device and starts the inference workers, each of which selects its
+device and warms the models up on its own thread; then the service is ready,
+so ``/healthz`` answers from the first moment while ``/readyz`` says 503 until
+the models are usable.
+
+A sticky device error (``service.devices.classify``) retires the device: the
+engine refuses every request with 503 ``device_failed``, ``/readyz`` says so
+with the device and the reason, and ``fault`` tells the server to exit
+non-zero so that the orchestrator restarts the process.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import threading
 from typing import Literal
 
-import torch
-
+from service.devices import choose_devices, classify, release_memory, select_device, trim_heap
 from service.engine import Engine, Job
-from service.errors import ApiError
+from service.errors import ApiError, DeviceFailedError
 from service.metrics import Metrics
 from service.registry import ModelRegistry
 from service.settings import Settings
@@ -26,18 +29,11 @@ from service.tasks import Solved, solve_batch
 log = logging.getLogger("kdeq.service")
 
 Phase = Literal["starting", "ready", "draining", "stopped"]
+Readiness = Literal["ready", "starting", "draining", "stopped", "no_models", "workers_down", "device_failed"]
 
 # glibc keeps memory freed after a large solve for reuse, so the resident size stays at the largest
 # request's peak and wanders with fragmentation; after a batch this large it is handed back
 TRIM_PIXELS = 1 << 20
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
-
-
-def trim_heap() -> None:
-    """Return freed heap memory to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
 
 
 class Service:
@@ -45,14 +41,16 @@ class Service:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.devices = settings.devices()
+        choice = choose_devices(settings.device)
+        log.log(choice.level, "serving on %s: %s", ",".join(choice.devices), choice.reason)
+        self.devices = choice.devices
         self.registry = ModelRegistry(settings.models_dir, settings.models)
         self.metrics = Metrics(self.registry.iteration_caps(), self.devices)
         self.engine = Engine(
             self._solve,
             self.metrics,
             queue_size=settings.queue_size,
-            max_batch_size=settings.batch_size(),
+            max_batch_size=settings.batch_size(self.devices),
             max_batch_pixels=settings.max_batch_pixels,
             batch_wait_seconds=settings.batch_wait_seconds,
         )
@@ -69,18 +67,29 @@ class Service:
 
     def _load(self) -> None:
         log.info("loading %d model(s) onto %s", len(self.registry.slots), ",".join(self.devices))
-        self.registry.load(self.devices, self.settings.warmup)
+        self.registry.load(self.devices)
+        self.engine.start(self.devices, self._prepare)
+        self.registry.settle()
         for slot in self.registry.slots.values():
             self.metrics.model_ready.labels(slot.id).set(1 if slot.ready else 0)
             if slot.ready:
                 # a zero series from the start, so a non-convergence ratio is defined before the first miss
                 self.metrics.solver_nonconverged.labels(f"/{slot.task}", slot.id)
-        self.engine.start(self.devices)
         with self._phase_lock:
             if self.phase == "starting":
                 self.phase = "ready"
         ready = sum(s.ready for s in self.registry.slots.values())
         log.info("ready: %d of %d model(s) serving", ready, len(self.registry.slots))
+
+    def _prepare(self, device: str) -> None:
+        """Ready the calling worker thread for ``device``: select it (before any torch work, so that
+        what the thread creates lives there), let the metrics read it, and warm every model up at
+        each ``KDEQ_WARMUP_SIZES`` size, so that the thread's cuBLAS/cuDNN handles and the
+        allocator's pools exist before the first request."""
+        select_device(device)
+        self.metrics.device_ready(device)
+        if self.settings.warmup:
+            self.registry.warm(device, self.settings.warmup_sizes_for(self.devices))
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Block until the background load has finished; False on timeout."""
@@ -106,8 +115,16 @@ class Service:
         with self._phase_lock:
             self.phase = "stopped"
 
-    def readiness(self) -> str:
-        """``ready``, ``starting``, ``draining``, ``stopped`` or ``no_models`` (none could be loaded)."""
+    @property
+    def fault(self) -> str | None:
+        """``device: reason`` once a device has failed (the process must exit), else ``None``."""
+        return self.engine.failure
+
+    def readiness(self) -> Readiness:
+        """``ready``; ``starting``, ``draining``, ``stopped``, ``device_failed`` (``fault`` says which
+        and why), ``no_models`` (none could be loaded) or ``workers_down``."""
+        if self.fault is not None:
+            return "device_failed"
         if self.phase == "ready" and not any(s.ready for s in self.registry.slots.values()):
             return "no_models"
         if self.phase == "ready" and not self.engine.alive:
@@ -116,16 +133,23 @@ class Service:
 
     def _solve(self, device: str, jobs: list[Job]) -> list[Solved | ApiError]:
         slot = self.registry.slots[jobs[0].model]
+        refusal: ApiError | None = None
         try:
             solved = solve_batch(slot.predictors[device], [job.payload for job in jobs])
-            if sum(job.pixels for job in jobs) >= TRIM_PIXELS:
-                trim_heap()
-        except (torch.OutOfMemoryError, MemoryError):
-            raise ApiError(
-                503, "out_of_memory", f"not enough memory on {device} for this request", {"Retry-After": "5"}
-            ) from None
         except ValueError as err:  # the model's own input checks: a request it cannot take
-            raise ApiError(422, "invalid_input", f"{slot.id}: {err}") from None
+            refusal = ApiError(422, "invalid_input", f"{slot.id}: {err}")
+        except Exception as err:
+            refusal = _device_refusal(device, err)
+            if refusal is None:  # not the device's doing: the engine retries the requests one by one
+                raise
+        # raised here, past the except clauses, so that nothing keeps the failed solve's exception —
+        # whose frames hold the batch's tensors — while the memory is released and the engine retries
+        if refusal is not None:
+            if refusal.error == "out_of_memory":
+                release_memory(device)
+            raise refusal
+        if sum(job.pixels for job in jobs) >= TRIM_PIXELS:
+            trim_heap()
         outcomes: list[Solved | ApiError] = []
         for job, result in zip(jobs, solved, strict=True):
             self.metrics.observe_solve(
@@ -147,3 +171,15 @@ class Service:
                     )
                 )
         return outcomes
+
+
+def _device_refusal(device: str, err: Exception) -> ApiError | None:
+    """The answer to a solve on ``device`` that raised ``err``, when the device is the cause: 503
+    ``out_of_memory``, or ``DeviceFailedError`` for a sticky device error; else ``None``."""
+    kind = classify(err)
+    if kind == "device":
+        return DeviceFailedError(device, str(err))
+    if kind == "out_of_memory":
+        detail = f"not enough memory on {device} for this request"
+        return ApiError(503, "out_of_memory", detail, {"Retry-After": "5"})
+    return None

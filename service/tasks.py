@@ -115,10 +115,10 @@ def solve_batch(predictor: Predictor, inputs: Sequence[TaskInput]) -> list[Solve
     return solved
 
 
-def warmup_input(task: str) -> TaskInput:
-    """A small generated request for ``task`` that exercises the whole solve."""
+def warmup_input(task: str, size: int) -> TaskInput:
+    """A generated ``size``×``size`` request for ``task`` that exercises the whole solve."""
     rng = np.random.default_rng(0)
-    image = rng.random((1, 32, 32), dtype=np.float32)
+    image = rng.random((1, size, size), dtype=np.float32)
     if task == "inpaint":
-        return TaskInput(image, missing=rng.random((1, 32, 32)) < 0.3)
+        return TaskInput(image, missing=rng.random((1, size, size)) < 0.3)
     return TaskInput(image)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 
 import pytest
+import torch
 
 from service.engine import Engine, Job
-from service.errors import ApiError
+from service.errors import ApiError, DeviceFailedError
 from service.metrics import Metrics
 
 
@@ -254,3 +256,101 @@ def test_admission_counts_requests_not_yet_queued() -> None:
     finally:
         eng.stop()
     assert 'kdeq_rejected_requests_total{reason="queue_full"} 1.0' in metrics.render().decode()
+
+
+def test_a_failed_batch_is_freed_before_its_requests_are_retried() -> None:
+    """The retry one request at a time runs after the failed attempt's exception is gone: a tensor
+    the failing batch held is already freed when the first retry starts."""
+    held: list[weakref.ref] = []
+    alive_at_retry: list[bool] = []
+
+    def runner(device, jobs):
+        if len(jobs) > 1:
+            workspace = torch.empty(1 << 20)  # the batch's tensors, held by the raising frame
+            held.append(weakref.ref(workspace))
+            raise RuntimeError("a batch-wide fault")
+        alive_at_retry.append(held[0]() is not None)
+        return [j.payload for j in jobs]
+
+    eng, _ = engine(runner, batch_wait_seconds=1.0)
+
+    async def scenario():
+        with eng.incoming() as t1, eng.incoming() as t2:
+            pair = [
+                asyncio.create_task(eng.infer(job("a"), t1)),
+                asyncio.create_task(eng.infer(job("b"), t2)),
+            ]
+            return await asyncio.gather(*pair)
+
+    assert run(scenario, eng) == ["a", "b"]
+    assert alive_at_retry == [False, False]
+
+
+def test_a_device_failure_answers_every_queued_request_and_retires_the_worker() -> None:
+    """A sticky device error: the failing batch and the requests queued behind it get 503
+    device_failed, later requests are refused at once, and the worker takes no more batches."""
+    started, release, batches = threading.Event(), threading.Event(), []
+
+    def runner(device, jobs):
+        batches.append([j.payload for j in jobs])
+        started.set()
+        release.wait(10)
+        raise DeviceFailedError(device, "CUDA error: an illegal memory access was encountered")
+
+    eng, metrics = engine(runner, max_batch_size=1)
+
+    async def scenario():
+        first = asyncio.create_task(eng.infer(job("first")))
+        await asyncio.to_thread(started.wait, 10)
+        queued = [asyncio.create_task(eng.infer(job(f"q{i}"))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        release.set()
+        results = await asyncio.gather(first, *queued, return_exceptions=True)
+        with pytest.raises(ApiError) as later:
+            eng.admit()
+        return results, later.value
+
+    results, later = run(scenario, eng)
+    assert all(isinstance(r, DeviceFailedError) and r.status_code == 503 for r in results), results
+    assert later.error == "device_failed" and batches == [["first"]]
+    assert eng.failure == "cpu: CUDA error: an illegal memory access was encountered" and not eng.alive
+    assert 'kdeq_rejected_requests_total{reason="device_failed"} 5.0' in metrics.render().decode()
+
+
+def test_workers_prepare_on_their_own_thread_before_requests_are_admitted() -> None:
+    prepared: list[str] = []
+    gate = threading.Event()
+    eng, _ = engine(Runner())
+
+    def prepare(device: str) -> None:
+        gate.wait(10)
+        prepared.append(threading.current_thread().name)
+
+    starter = threading.Thread(target=eng.start, args=(["cpu"], prepare))
+    starter.start()
+    time.sleep(0.05)
+    with pytest.raises(ApiError) as early:  # the worker is still warming up
+        eng.admit()
+    gate.set()
+    starter.join(10)
+    try:
+        assert early.value.error == "not_ready" and prepared == ["kdeq-worker-cpu"]
+        eng.release(eng.admit())
+    finally:
+        eng.stop()
+
+
+def test_a_worker_that_cannot_prepare_its_device_retires_it() -> None:
+    eng, _ = engine(Runner())
+
+    def prepare(device: str) -> None:
+        raise RuntimeError("CUDA error: invalid device ordinal")
+
+    eng.start(["cpu"], prepare)
+    try:
+        assert eng.failure == "cpu: CUDA error: invalid device ordinal"
+        with pytest.raises(ApiError) as refused:
+            eng.admit()
+        assert refused.value.error == "device_failed"
+    finally:
+        eng.stop()

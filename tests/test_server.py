@@ -147,6 +147,18 @@ def test_invalid_settings_exit_2_with_the_variable_named() -> None:
     assert done.returncode == 2 and "KDEQ_MAX_BATCH_SIZE" in done.stderr
 
 
+def test_a_cuda_device_that_is_not_usable_stops_startup_with_the_cause() -> None:
+    """No traceback: one line naming the setting and why CUDA cannot be used (here the CPU wheel;
+    on a GPU machine the hidden devices), and exit status 2."""
+    env = {**os.environ, "KDEQ_DEVICE": "cuda", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "kdeq", "serve"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert "KDEQ_DEVICE" in done.stderr and "'cuda' is not available: " in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_sigterm_with_many_requests_in_flight_drops_none(tmp_path) -> None:
     """Without a drain period: the listener closes at once (new connections are refused), every
     request already admitted — being solved or queued — completes, and the process exits 0."""
