@@ -162,16 +162,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, batch: int | None, clients: int) -> subprocess.Popen:
+def start_server(
+    port: int, batch: int | None, clients: int, device: str = "cpu", model: str = "denoise-kglm:1"
+) -> subprocess.Popen:
+    """A ``python -m service`` on ``port`` serving ``model`` on ``device``, once ready; the default
+    model is the one of the in-process measurement beside it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_")}
     env.update(
         KDEQ_PORT=str(port),
-        KDEQ_DEVICE="cpu",
+        KDEQ_DEVICE=device,
         KDEQ_LOG_LEVEL="warning",
         KDEQ_QUEUE_SIZE=str(max(64, 2 * clients)),
         KDEQ_DRAIN_SECONDS="0",
         KDEQ_MODELS_DIR=str(ROOT / "models"),
-        KDEQ_MODELS="denoise-kglm:1",  # the model of the in-process measurement beside it
+        KDEQ_MODELS=model,
     )
     if batch is not None:
         env["KDEQ_MAX_BATCH_SIZE"] = str(batch)

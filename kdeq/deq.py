@@ -167,18 +167,17 @@ class KGLMDEQ(nn.Module):
 
         ``mean``/``mean_out`` are ``m(X)`` and ``m(X̃)`` (default 0; ``mean_out``
         defaults to ``mean`` when ``X̃ = X`` and must be given otherwise),
-        ``mask`` the observed set (default all), ``z0`` the start (default
-        ``σ(m)``), ``solver`` an override of the layer's default. With the ``cg`` method, an affine
-        map and autograd off the solve is ``kdeq.linear.solve_affine`` (a transform where one
-        diagonalises the map, else preconditioned CG); otherwise ``kdeq.implicit.equilibrium``.
+        ``mask`` the observed set (default all), ``z0`` the start (default ``σ(m)``, or
+        ``solve_affine``'s choice), ``solver`` an override of the layer's default. With the ``cg``
+        method, an affine map and autograd off the solve is ``kdeq.linear.solve_affine`` (a
+        transform where one diagonalises the map, else preconditioned CG); otherwise
+        ``kdeq.implicit.equilibrium``.
         """
         if mean is not None and mean_out is None:
             if not self.same_coordinates:
                 raise ValueError("a mean m(X) was given without m(X̃); pass mean_out for X̃ ≠ X")
             mean_out = mean
         t = self.family.T(y)
-        if z0 is None:
-            z0 = self.family.sigma(mean if mean is not None else torch.zeros_like(t))
         cfg = solver or self.solver
         if cfg.method == "cg" and self.affine and not torch.is_grad_enabled():
             tied = self.readout_is_map and mask is None and mean_out is mean
@@ -186,6 +185,8 @@ class KGLMDEQ(nn.Module):
             if fz is not None:
                 return DEQOutput(fz, z, stats)
         else:
+            if z0 is None:
+                z0 = self.family.sigma(mean if mean is not None else torch.zeros_like(t))
             z, stats = equilibrium(
                 lambda v: self.cell(v, t, mean, mask), z0, cfg, self.backward, self.backward_solver
             )

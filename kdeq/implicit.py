@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from kdeq.precision import ieee_float32
 from kdeq.solvers import Map, SolverConfig, SolverStats, solve
 
 Backward = Literal["implicit", "jacobian_free"]
@@ -61,7 +62,8 @@ def equilibrium(
             (jtu,) = torch.autograd.grad(f_in, z_in, u, retain_graph=True)
             return jtu + grad
 
-        with torch.enable_grad():
+        # the autograd engine runs this hook outside the forward's IEEE section (kdeq.precision)
+        with torch.enable_grad(), ieee_float32():
             u, adj_stats = solve(adjoint, grad, adjoint_cfg)
         if not bool(adj_stats.converged.all()):
             warnings.warn(

@@ -154,17 +154,50 @@ def symmetric_preconditioner(w1: Stationary, size: tuple[int, int]) -> Callable[
     return lambda r: idct2(dct2(r) / denom)
 
 
+def _start(
+    w2: torch.nn.Module,
+    t: torch.Tensor,
+    mean: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    z0: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CG's start ``z0`` and its residual ``r0 = b − A z0 = M W2 M (t − z0) + m − z0`` ``(B, c, H, W)``
+    for ``W2 = −W1``, with one application of ``W2``.
+
+    Given no ``z0``, each sample starts from whichever of the mean ``m`` and the observations
+    (``t`` where observed, ``m`` elsewhere) has the smaller residual: ``M W2 M u`` and ``−M u`` for
+    ``u = t − m``, both from the one application. The observations win where ``A = I + K/λ`` is
+    ill-conditioned (low noise), and there CG's correction ``z − z0`` is small, as float32 needs
+    (``kdeq.solvers.linear_cg``); the mean wins at high noise, where it is the closer start.
+    Either residual is formed from a difference taken before the kernel multiplies it.
+    """
+
+    def restrict(x: torch.Tensor) -> torch.Tensor:
+        return x if mask is None else mask * x
+
+    base = torch.zeros_like(t) if mean is None else mean.expand_as(t)
+    if z0 is not None:
+        return z0, restrict(w2(restrict(t - z0))) - (z0 - base)
+    u = restrict(t - base)
+    from_mean = restrict(w2(u))
+    from_observed = -u
+    observed = t if mask is None else torch.where(mask > 0, t, base)
+    pick = (from_observed.flatten(1).norm(dim=1) < from_mean.flatten(1).norm(dim=1)).view(-1, 1, 1, 1)
+    return torch.where(pick, observed, base), torch.where(pick, from_observed, from_mean)
+
+
 def solve_affine(
     w1: torch.nn.Module,
     w2: torch.nn.Module,
     t: torch.Tensor,
     mean: torch.Tensor | None,
     mask: torch.Tensor | None,
-    z0: torch.Tensor,
+    z0: torch.Tensor | None,
     config: SolverConfig,
     with_map: bool = False,
 ) -> tuple[torch.Tensor, SolverStats, torch.Tensor | None]:
-    """``z* = M W1 M z* + M W2 M t + m`` by the fastest exact method (module docstring).
+    """``z* = M W1 M z* + M W2 M t + m`` by the fastest exact method (module docstring), from ``z0``
+    or, given none, the better of ``m`` and the observations (``_start``; ``m`` when ``W2 ≠ −W1``).
 
     Returns the solution ``z``, its statistics and, ``with_map``, ``f(z) = z + b − Az``: CG has the
     true residual ``b − Az`` in hand, so a layer whose readout is its map gets it at no further cost."""
@@ -181,17 +214,14 @@ def solve_affine(
         return z - restrict(w1(restrict(z)))
 
     if isinstance(w2, Negated) and w2.inner is w1:
-        # W2 = −W1: b − A z0 = M W2 M (t − z0) + m − z0 takes one application of the kernel, not two
-        r0 = restrict(w2(restrict(t - z0))) - (z0 if mean is None else z0 - mean)
-
-        def residual(z: torch.Tensor) -> torch.Tensor:
-            return r0 - apply_a(z - z0)
+        z0, r0 = _start(w2, t, mean, mask, z0)
     else:
-        r0 = None
+        if z0 is None:
+            z0 = torch.zeros_like(t) if mean is None else mean.expand_as(t)
+        # two applications here, and a start at m: W2 is a trained map of its own (Anderson-only
+        # models and fine-tuned untied layers), so −M u is not the observations' residual
         b = restrict(w2(restrict(t))) + (0.0 if mean is None else mean)
-
-        def residual(z: torch.Tensor) -> torch.Tensor:
-            return b - apply_a(z)
+        r0 = b - apply_a(z0)
 
     precondition = None
     # only where A is symmetric and the symmetric-border inverse approximates it: the zero border
@@ -199,5 +229,5 @@ def solve_affine(
     symmetric = s1 is not None and s1.padding == "zeros"
     if mask is None and symmetric and min(t.shape[-2:]) > s1.taps.shape[-1] // 2:
         precondition = symmetric_preconditioner(s1, tuple(t.shape[-2:]))
-    z, stats, r = linear_cg(apply_a, residual, z0, config, precondition, r0)
+    z, stats, r = linear_cg(apply_a, r0, z0, config, precondition)
     return z, stats, z + r if with_map else None

@@ -33,6 +33,7 @@ from kdeq.families import Family
 from kdeq.filters import gaussian_taps, normalized_convolution, observed_mean
 from kdeq.implicit import Backward
 from kdeq.linear import Negated
+from kdeq.precision import ieee
 from kdeq.priors import GaussianPrior
 from kdeq.solvers import SolverConfig, SolverStats
 
@@ -110,10 +111,16 @@ def per_image(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sizes
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:N``; raises ``ValueError`` for others
-    or for a CUDA device this machine does not have."""
+    """The ``torch.device`` for ``auto`` (the current CUDA device when CUDA is usable, else the CPU),
+    ``cpu``, ``cuda`` (the current CUDA device, as ``cuda:N``, so that one device has one name) or
+    ``cuda:N``. Raises ``ValueError`` for any other name, and for a CUDA device that is not usable
+    here, saying why: torch built without CUDA, the driver's or runtime's own error, or no such
+    device."""
     if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return resolve_device("cuda")
+        except ValueError:
+            return torch.device("cpu")
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -122,10 +129,23 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return dev
     if dev.type != "cuda":
         raise ValueError(f"unsupported device {device!r}; use auto, cpu, cuda or cuda:N")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if (dev.index or 0) >= count:
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            why = f"this torch ({torch.__version__}) is built without CUDA"
+        else:
+            try:  # initialising CUDA raises the reason is_available() only warns about
+                torch.cuda.init()
+                why = "no CUDA device is visible"
+            except Exception as err:
+                why = str(err)
+        raise ValueError(f"device {str(device)!r} is not available: {why}")
+    count = torch.cuda.device_count()
+    # before CUDA is initialised the current device is 0, and asking would initialise it
+    current = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    index = current if dev.index is None else dev.index
+    if index >= count:
         raise ValueError(f"device {device!r} is not available (this machine has {count} CUDA devices)")
-    return dev
+    return torch.device("cuda", index)
 
 
 class Predictor:
@@ -138,6 +158,15 @@ class Predictor:
     """
 
     task: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        # every task model's forward and pilot run their kGLM operators (and the guide network,
+        # not yet measured in TF32) in IEEE float32, on every device and whatever the process's
+        # defaults (kdeq.precision); done here so that no task can forget it
+        super().__init_subclass__(**kwargs)
+        for name in ("forward", "pilot_only"):
+            if name in cls.__dict__:
+                setattr(cls, name, ieee(cls.__dict__[name]))
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
         if checkpoint.config.task != self.task:
@@ -222,22 +251,30 @@ class Predictor:
         lam: torch.Tensor,
         kernel_map: Callable[[str, torch.Tensor], nn.Module],
         tied: bool = False,
+        tie_w2: bool = False,
     ) -> KGLMDEQ:
         """The kGLM-DEQ ``W1 = −K₁/λ, W2 = K₂/λ, V1 = −K₃/λ, V2 = K₄/λ`` (flat prior) with per-sample
         ``λ`` ``(B,)``; ``kernel_map(name, s)`` is ``x ↦ s·K x`` for ``name`` in ``w1, w2, v1, v2``.
         ``tied``: one kernel ``K₁ = K₂ = K₃ = K₄`` on ``X̃ = X`` (Theorem 3 as it stands), built once:
-        ``W2 = −W1`` and the readout's maps are ``W1``, ``W2`` themselves (``kdeq.linear`` uses both)."""
+        ``W2 = −W1`` and the readout's maps are ``W1``, ``W2`` themselves (``kdeq.linear`` uses both).
+        ``tie_w2``: ``K₁ = K₂`` only, ``W2 = −W1`` built as one kernel (the readout keeps its own)."""
         inv = 1.0 / lam
         if tied:
             w1 = kernel_map("w1", -inv)
             w2: nn.Module = Negated(w1)
             v1, v2 = w1, w2
         else:
-            w1, w2 = kernel_map("w1", -inv), kernel_map("w2", inv)
+            w1 = kernel_map("w1", -inv)
+            w2 = Negated(w1) if tie_w2 else kernel_map("w2", inv)
             v1, v2 = kernel_map("v1", -inv), kernel_map("v2", inv)
         return KGLMDEQ(family, GaussianPrior(), w1, w2, None, v1, v2, self.config.solver, self.backward)
 
     def conv_layer(self, family: Family, lam: torch.Tensor) -> KGLMDEQ:
         """``kglm_layer`` with the checkpoint's convolution banks ``w1, w2, v1, v2``."""
         pad = self.config.architecture.padding
-        return self.kglm_layer(family, lam, lambda name, s: ScaledConv(self.tensors[name], s, pad))
+        t = self.tensors
+        # equal banks are Theorem 3's W2 = −W1, which kdeq.linear solves from an accurate residual
+        # (a start at the observations, good to float32 at low noise); not while the trainer
+        # learns the two banks apart
+        tie_w2 = not t["w2"].requires_grad and torch.equal(t["w1"], t["w2"])
+        return self.kglm_layer(family, lam, lambda name, s: ScaledConv(t[name], s, pad), tie_w2=tie_w2)

@@ -6,10 +6,14 @@ sample, the relative residual ``‖f(z) − z‖/max(‖f(z)‖, a√n)`` (``n``
 per sample, ``a`` the config's ``atol``: the floor only matters for a fixed
 point near 0, where a pure ratio can never fall) and returns the best
 iterate it saw, with its residual. A sample stops iterating (and counting)
-the step its residual reaches ``tol``; whether the whole batch is done is
-checked on the host only every ``check_every`` steps on an asynchronous device
-(CUDA), and every step on the CPU, where reading the flag costs nothing and a
-step past convergence costs a whole map evaluation.
+the step its residual reaches ``tol``. Whether the whole batch is done is read
+by the host every step on the CPU, where reading the flag costs nothing. On an
+asynchronous device (CUDA) a blocking read would drain the device's queue every
+step, so the flag is copied to the host without blocking and read one step
+later, once the next step's work is queued: a converged batch stops after one
+look-ahead step, never more, whose map evaluation is counted by no sample
+(``tests/test_solvers.py`` counts the evaluations on a simulated asynchronous
+device).
 
 Solvers (registry ``SOLVERS``):
 
@@ -41,8 +45,10 @@ class SolverConfig(BaseModel):
         method: ``fixed_point`` | ``anderson`` | ``cg``.
         tol: target relative residual ``‖f(z) − z‖/‖f(z)‖``.
         max_iter: iteration cap per sample.
-        check_every: host synchronisation period for the early exit on devices
-            outside ``SYNC_FREE_DEVICES`` (there it is every step).
+        check_every: on devices outside ``SYNC_FREE_DEVICES``, the host reads the batch's
+            look-ahead convergence flag every ``check_every`` steps (1: a converged batch stops
+            after one look-ahead step; more saves host reads at the price of up to ``check_every``
+            map evaluations past convergence). On the CPU the flag is read every step.
         damping: ``β`` in ``(1−β)z + βf(z)`` (fixed point) and in Anderson's mixing.
         memory: Anderson's history length ``m``.
         regularization: Anderson's Tikhonov term, relative to the mean squared
@@ -55,7 +61,7 @@ class SolverConfig(BaseModel):
     method: Literal["fixed_point", "anderson", "cg"] = "anderson"
     tol: float = Field(1e-4, gt=0)
     max_iter: int = Field(200, ge=1)
-    check_every: int = Field(5, ge=1)
+    check_every: int = Field(1, ge=1)
     damping: float = Field(0.5, gt=0, le=1)
     memory: int = Field(10, ge=1)
     regularization: float = Field(1e-8, ge=0)
@@ -81,48 +87,107 @@ class SolverStats:
 #: device types whose tensors are read by the host without waiting for queued work
 SYNC_FREE_DEVICES = frozenset({"cpu"})
 
+_TINY64 = torch.finfo(torch.float64).tiny
+
 
 def _flat_norm(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], -1).norm(dim=1)
 
 
 def _bdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return (a.reshape(a.shape[0], -1) * b.reshape(b.shape[0], -1)).sum(dim=1)
+    """``⟨a_b, b_b⟩`` per sample ``(B,)``, accumulated in float64 (CG's step lengths at
+    ``‖A‖ ~ 10⁴`` lose digits to a float32 sum over a megapixel), returned in float64."""
+    return (a.reshape(a.shape[0], -1) * b.reshape(b.shape[0], -1)).sum(dim=1, dtype=torch.float64)
+
+
+def _ratio(r: torch.Tensor, fz: torch.Tensor, atol: float) -> torch.Tensor:
+    """``‖r‖/max(‖f(z)‖, atol·√n)`` per sample for the residual ``r = f(z) − z``; NaN where either
+    is non-finite."""
+    floor = max(atol * fz[0].numel() ** 0.5, torch.finfo(fz.dtype).tiny)
+    ratio = _flat_norm(r) / _flat_norm(fz).clamp(min=floor)
+    return torch.where(torch.isfinite(ratio), ratio, torch.nan)
 
 
 def _rel_residual(fz: torch.Tensor, z: torch.Tensor, atol: float) -> torch.Tensor:
     """``‖f(z) − z‖/max(‖f(z)‖, atol·√n)`` per sample; NaN where either is non-finite."""
-    floor = max(atol * z[0].numel() ** 0.5, torch.finfo(z.dtype).tiny)
-    r = _flat_norm(fz - z) / _flat_norm(fz).clamp(min=floor)
-    return torch.where(torch.isfinite(r), r, torch.nan)
+    return _ratio(fz - z, fz, atol)
 
 
 def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return mask.reshape(mask.shape[0], *([1] * (like.dim() - 1)))
 
 
+class _LookAhead:
+    """The batch's "still active" flag, posted to the host without blocking and read one post later.
+
+    On CUDA the flag is copied into pinned host memory behind an event; reading it waits for that
+    event only, which the device passed long ago if the host is ahead by a step. Other asynchronous
+    devices (and the tests' simulated one) keep the posted flag as a device tensor.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        if self.cuda:
+            self.buffers = [torch.empty((), dtype=torch.bool, pin_memory=True) for _ in range(2)]
+            self.turn = 0
+
+    def post(self, flag: torch.Tensor) -> None:
+        if not self.cuda:
+            self.pending = (flag.clone(), None)
+            return
+        host = self.buffers[self.turn]
+        self.turn = 1 - self.turn
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending = (host, event)
+
+    def read(self) -> bool | None:
+        """The last posted flag (``None`` before the first post)."""
+        if self.pending is None:
+            return None
+        flag, event = self.pending
+        if event is not None:
+            event.synchronize()
+        return bool(flag)
+
+
 class _Tracker:
     """Per-sample bookkeeping shared by the solvers: best iterate, counts, and the exit test."""
 
-    def __init__(self, z: torch.Tensor, fz: torch.Tensor, config: SolverConfig) -> None:
+    def __init__(self, z: torch.Tensor, res: torch.Tensor, config: SolverConfig) -> None:
+        """``z`` ``(B, ...)`` the start, ``res`` ``(B,)`` its relative residual."""
         self.config = config
         self.best = z.clone()
-        self.best_res = _rel_residual(fz, z, config.atol).nan_to_num(nan=torch.inf)
+        self.best_res = res.nan_to_num(nan=torch.inf)
         self.iterations = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
         self.active = self.best_res > config.tol
-        self.period = 1 if z.device.type in SYNC_FREE_DEVICES else config.check_every
+        self.look_ahead = None if z.device.type in SYNC_FREE_DEVICES else _LookAhead(z.device)
 
-    def update(self, step: int, z: torch.Tensor, fz: torch.Tensor) -> bool:
-        """Record iterate ``z`` with its image ``f(z)`` for the samples still active; return True to stop."""
-        res = torch.where(self.active, _rel_residual(fz, z, self.config.atol), torch.inf)
+    def update(self, step: int, z: torch.Tensor, res: torch.Tensor) -> bool:
+        """Record iterate ``z`` with its relative residual ``res`` ``(B,)`` for the samples still
+        active; return True to stop (module docstring: at once on the CPU, one step late elsewhere)."""
+        res = torch.where(self.active, res, torch.inf)
         self.iterations += self.active.to(torch.int64)
         better = res < self.best_res
         self.best = torch.where(_expand(better, z), z, self.best)
         self.best_res = torch.where(better, res, self.best_res)
         self.active = self.active & (self.best_res > self.config.tol) & ~torch.isnan(res)
-        if step % self.period == 0 or step == self.config.max_iter:
+        if self.look_ahead is None:
             return not bool(self.active.any())
-        return False
+        period = self.config.check_every
+        # this step's work is queued: read the flag posted one step ago, then post this step's
+        done = step % period == 0 and self.look_ahead.read() is False
+        if (step + 1) % period == 0:
+            self.look_ahead.post(self.active.any())
+        return done
+
+    def restart(self, active: torch.Tensor) -> None:
+        """Resume the samples ``active`` ``(B,)`` (CG's restarts); a flag posted before is stale."""
+        self.active = active
+        if self.look_ahead is not None:
+            self.look_ahead.pending = None
 
     def result(self) -> tuple[torch.Tensor, SolverStats]:
         stats = SolverStats(
@@ -136,13 +201,13 @@ class _Tracker:
 def fixed_point(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
     """Damped Picard iteration ``z_{k+1} = (1−β) z_k + β f(z_k)``."""
     z, fz = z0, f(z0)
-    track = _Tracker(z, fz, config)
+    track = _Tracker(z, _rel_residual(fz, z, config.atol), config)
     beta = config.damping
     for step in range(1, config.max_iter + 1):
         keep = _expand(track.active, z)
         z = torch.where(keep, (1.0 - beta) * z + beta * fz, z)
         fz = f(z)
-        if track.update(step, z, fz):
+        if track.update(step, z, _rel_residual(fz, z, config.atol)):
             break
     return track.result()
 
@@ -162,7 +227,7 @@ def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tens
     fs = torch.zeros_like(xs)
 
     z, fz = z0, f(z0)
-    track = _Tracker(z, fz, config)
+    track = _Tracker(z, _rel_residual(fz, z, config.atol), config)
     xs[:, 0], fs[:, 0] = z.reshape(bsz, -1), fz.reshape(bsz, -1)
     for step in range(1, config.max_iter + 1):
         n = min(step, m)
@@ -193,41 +258,53 @@ def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tens
         fz = f(z)
         slot = step % m
         xs[:, slot], fs[:, slot] = z.reshape(bsz, -1), fz.reshape(bsz, -1)
-        if track.update(step, z, fz):
+        if track.update(step, z, _rel_residual(fz, z, config.atol)):
             break
     return track.result()
 
 
 def linear_cg(
     apply_a: Map,
-    residual: Map,
+    r0: torch.Tensor,
     z0: torch.Tensor,
     config: SolverConfig,
     precondition: Map | None = None,
-    r0: torch.Tensor | None = None,
+    residual: Map | None = None,
 ) -> tuple[torch.Tensor, SolverStats, torch.Tensor]:
-    """Preconditioned CG on ``A z = b`` per sample from ``z0`` ``(B, …)``; ``A`` and ``P⁻¹`` SPD.
+    """Preconditioned CG on ``A z = b`` per sample from ``z0`` ``(B, …)`` given its residual
+    ``r0 = b − A z0``; ``A`` and ``P⁻¹`` SPD. ``residual(d)``, when given, computes the true
+    residual ``b − A(z0 + d)`` in whichever way is most accurate for the caller (a caller holding
+    ``f`` evaluates ``f(z) − z``); by default it is ``r0 − A d``.
 
     Returns the best iterate ``z``, its statistics and its true residual ``b − Az``
-    (so ``f(z)`` costs the caller no further application of ``A``).
+    (so ``f(z) = z + b − Az`` costs the caller no further application of ``A``).
 
     ``b − Az`` is the fixed-point residual ``f(z) − z`` of ``f(z) = z − Az + b``
-    and is tracked as the other solvers track theirs. The CG residual is updated
-    by recursion; in finite precision it drifts from the true one, so when the
-    recursion says a sample has converged its true residual is computed, and a
-    sample that has not truly converged restarts from its best iterate (while
-    its iteration budget lasts). A sample whose curvature ``pᵀAp`` is not
-    positive stops (its best iterate stands). ``residual(z)`` computes the true
-    ``b − Az`` in whichever way is most accurate or cheapest for the caller (a
-    caller holding ``f`` passes ``f(z) − z``, which in float32 is not the same
-    number as ``b − Az`` when ``‖A‖`` is large); ``r0`` is its value at ``z0``
-    when the caller already has it.
+    and is tracked as the other solvers track theirs. CG runs on the correction
+    ``d = z − z0``, ``A d = r0``, accumulated apart from ``z0``: in float32 an
+    iterate ``z`` carries a rounding error of ``2⁻²⁴‖z‖``, which ``A`` magnifies to
+    a residual of ``2⁻²⁴‖A‖‖z‖`` — above the tolerance once ``‖A‖`` passes ~10³
+    (a denoiser at σ ≤ 2) — while ``d`` is small where ``z0`` is close, and the
+    residual ``r0 − A d`` carries only ``2⁻²⁴‖A‖‖d‖``. So the caller should form
+    ``r0`` accurately (from ``t − z0``, not ``b − A z0``) and start close: the
+    statistics then describe ``z0 + d`` before its final rounding to float32,
+    which moves ``z`` by at most half a unit in the last place.
+
+    The CG residual is updated by recursion; in finite precision it drifts from
+    the true ``r0 − A d``, so when the recursion says a sample has converged its
+    true residual is computed, and a sample that has not truly converged
+    restarts from its best iterate (while its iteration budget lasts). A sample
+    whose curvature ``pᵀAp`` is not positive stops (its best iterate stands).
+    Inner products accumulate in float64.
     """
     identity = precondition is None
-    tiny = torch.finfo(z0.dtype).tiny
-    z = z0
-    r = residual(z0) if r0 is None else r0
-    track = _Tracker(z, z + r, config)
+
+    def relative(d: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        return _ratio(r, z0 + d + r, config.atol)
+
+    d = torch.zeros_like(z0)
+    r = r0
+    track = _Tracker(d, relative(d, r), config)
     step = 0
     while True:
         y = r if identity else precondition(r)
@@ -239,25 +316,26 @@ def linear_cg(
             pap = _bdot(p, ap)
             ok = track.active & (pap > 0) & torch.isfinite(pap)
             track.active = ok
-            a = torch.where(ok, ry / pap.clamp(min=tiny), 0.0)
-            z = z + _expand(a, z) * p
+            a = torch.where(ok, ry / pap.clamp(min=_TINY64), 0.0).to(z0.dtype)
+            d = d + _expand(a, d) * p
             r = r - _expand(a, r) * ap
-            if track.update(step, z, z + r):
+            if track.update(step, d, relative(d, r)):
                 break
             y = r if identity else precondition(r)
             ry_new = _bdot(r, y)
-            beta = torch.where(ok, ry_new / ry.clamp(min=tiny), 0.0)
+            beta = torch.where(ok, ry_new / ry.clamp(min=_TINY64), 0.0).to(z0.dtype)
             p = y + _expand(beta, p) * p
             ry = torch.where(ok, ry_new, ry)
-        z = track.best
-        r = residual(z)
-        true_res = _rel_residual(z + r, z, config.atol).nan_to_num(nan=torch.inf)
+        d = track.best
+        r = r0 - apply_a(d) if residual is None else residual(d)
+        true_res = relative(d, r).nan_to_num(nan=torch.inf)
         track.best_res = true_res
         retry = (true_res > config.tol) & torch.isfinite(true_res) & (track.iterations < config.max_iter)
         if step >= config.max_iter or not bool(retry.any()):
             break
-        track.active = retry
-    return (*track.result(), r)
+        track.restart(retry)
+    d, stats = track.result()
+    return z0 + d, stats, r
 
 
 def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
@@ -266,7 +344,12 @@ def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[
     Valid when ``f`` is affine and ``I − ∂f`` is symmetric positive definite.
     """
     f0 = f(torch.zeros_like(z0))
-    z, stats, _ = linear_cg(lambda p: p - (f(p) - f0), lambda v: f(v) - v, z0, config)
+
+    def residual(d: torch.Tensor) -> torch.Tensor:
+        z = z0 + d
+        return f(z) - z
+
+    z, stats, _ = linear_cg(lambda p: p - (f(p) - f0), f(z0) - z0, z0, config, residual=residual)
     return z, stats
 
 

@@ -208,3 +208,80 @@ def test_cg_reports_the_true_residual_in_float32() -> None:
     true = (fz - z).norm(dim=1) / fz.norm(dim=1)
     assert torch.allclose(stats.residual, true, rtol=1e-4)
     assert torch.equal(stats.converged, true <= 1e-6)
+
+
+def _counting(f):
+    calls = 0
+
+    def counted(z: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return f(z)
+
+    return counted, lambda: calls
+
+
+@pytest.mark.parametrize("method", ["fixed_point", "anderson"])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["cpu", "simulated-async"])
+def test_map_evaluations_are_the_iterations_plus_at_most_one_look_ahead(
+    method: str, asynchronous: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step applies ``f`` once; on an asynchronous device the host reads the batch's flag one
+    step late, so a converged batch takes exactly one more evaluation, not ``check_every`` more."""
+    if asynchronous:
+        monkeypatch.setattr(solvers, "SYNC_FREE_DEVICES", frozenset())
+    slopes = torch.tensor([0.3, 0.6], dtype=F64)
+    f, _ = _diagonal_affine(slopes)
+    counted, calls = _counting(f)
+    cfg = SolverConfig(method=method, tol=1e-8, max_iter=400, damping=1.0)
+    _, stats = solve(counted, torch.zeros(2, 50, dtype=F64), cfg)
+    assert stats.converged.all()
+    # f(z0), then one per step the slowest sample took, then the look-ahead step's
+    assert calls() == 1 + int(stats.iterations.max()) + int(asynchronous)
+
+
+def test_cg_on_a_simulated_asynchronous_device_stops_one_step_after_convergence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """CG applies ``A`` once a step; past convergence the look-ahead costs one application, and
+    the closing true residual one more, whatever ``check_every`` the checkpoints carried."""
+    a = _kernel_matrix(12, 30.0)
+    b = torch.rand(2, 144, dtype=F64, generator=torch.Generator().manual_seed(0))
+    z0 = torch.zeros(2, 144, dtype=F64)
+    counts = {}
+    for asynchronous in (False, True):
+        if asynchronous:
+            monkeypatch.setattr(solvers, "SYNC_FREE_DEVICES", frozenset())
+        applied = 0
+
+        def apply_a(p: torch.Tensor) -> torch.Tensor:
+            nonlocal applied
+            applied += 1
+            return p + p @ a
+
+        _, stats, _ = solvers.linear_cg(apply_a, b - apply_a(z0), z0, SolverConfig(method="cg", tol=1e-8))
+        assert stats.converged.all()
+        counts[asynchronous] = (applied, int(stats.iterations.max()))
+    (sync_applied, sync_iters), (async_applied, async_iters) = counts[False], counts[True]
+    assert sync_iters == async_iters
+    # r0, one per step, the closing true residual; the asynchronous run adds the look-ahead step
+    assert sync_applied == 1 + sync_iters + 1
+    assert async_applied == sync_applied + 1
+
+
+def test_cg_reaches_its_tolerance_in_float32_far_past_float32s_floor_for_the_iterate() -> None:
+    """At ``‖K/λ‖ = 10⁵`` rounding ``z*`` itself to float32 leaves a residual of ~``2⁻²⁴·10⁵``, above
+    ``tol = 10⁻⁴`` (3·10⁻⁴); CG on the correction ``d = z − z0`` from a close start reaches ``tol``."""
+    a = _kernel_matrix(16, 1e5)
+    gen = torch.Generator().manual_seed(1)
+    clean = torch.rand(1, 256, dtype=F64, generator=gen)
+    t = clean + 1e-3 * torch.randn(1, 256, dtype=F64, generator=gen)
+    exact = torch.linalg.solve(torch.eye(256, dtype=F64) + a, (t @ a).T).T  # z = (t − z)K
+    rounded = exact.float().double()
+    floor = ((t - rounded) @ a - rounded).norm() / ((t - rounded) @ a).norm()
+    assert floor > 2e-4
+    a32, t32 = a.float(), t.float()
+    # the residual of the start t (z0 = t, r0 = (t − z0)K − z0 + 0 = −t) is exact in float32
+    z, stats, _ = solvers.linear_cg(lambda p: p + p @ a32, -t32, t32, SolverConfig(method="cg", tol=1e-4))
+    assert stats.converged.all() and float(stats.residual) <= 1e-4
+    assert torch.allclose(z.double(), exact, atol=1e-5)

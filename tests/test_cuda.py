@@ -1,0 +1,262 @@
+"""The CUDA suite (issue 20): every shipped model, the operators and solvers, the service and one
+training epoch on a GPU, against the CPU or float64. Skipped without a CUDA device; on a GPU machine
+``bench/gpu.sh`` runs it first (``pytest -m cuda``)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import httpx2 as httpx
+import numpy as np
+import pytest
+import torch
+
+from kdeq import SOLVERS, SolverConfig, solve
+from kdeq.conv import conv
+from kdeq.precision import ieee_float32
+from kdeq.repository import load_predictor
+from kdeq.transforms import dct2, idct2
+from tests.service_helpers import encode, metric, noisy, run_server, smooth_image, to_uint8
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(p.parent for p in (ROOT / "models").glob("*/*/config.json"))
+SIGMA = 25.0
+
+
+def _id(folder: Path) -> str:
+    return f"{folder.parent.name}:{folder.name}"
+
+
+def _batch(task: str, channels: int, shape: tuple[int, int], count: int, seed: int) -> tuple[tuple, dict]:
+    """``predict``'s arguments for ``count`` noisy piecewise-smooth images ``(count, channels, *shape)``
+    (half the pixels missing for the inpainter)."""
+    gen = torch.Generator().manual_seed(seed)
+    clean = torch.stack(
+        [torch.from_numpy(smooth_image(*shape, seed=seed + k)).float() for k in range(count)]
+    )[:, None].expand(count, channels, *shape)
+    images = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1)
+    if task == "inpaint":
+        return (images, (torch.rand(count, 1, *shape, generator=gen) < 0.5).float()), {}
+    if task == "segment":
+        return (images,), {}
+    return (images,), {"sigma": SIGMA}
+
+
+def _channels(model) -> list[int]:
+    return [1] if model.task == "segment" else [1, 3]
+
+
+def _parity(cpu, gpu, args: tuple, kwargs: dict, **extra) -> None:
+    on_gpu = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    a = cpu.predict(*args, **kwargs, **extra)
+    b = gpu.predict(*on_gpu, **kwargs, **extra)
+    assert a.stats.converged.all() and b.stats.converged.cpu().all()
+    assert (a.stats.iterations - b.stats.iterations.cpu()).abs().max() <= 1
+    torch.testing.assert_close(b.output.cpu(), a.output, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("folder", SHIPPED, ids=_id)
+def test_every_shipped_model_agrees_with_the_cpu(folder: Path) -> None:
+    """Grey and colour, an odd size, and a padded batch of mixed sizes: both devices converge, the
+    outputs agree within 1e-4 and the iteration counts within 1."""
+    cpu, gpu = load_predictor(folder, "cpu"), load_predictor(folder, "cuda:0")
+    for channels in _channels(cpu):
+        for shape, count in (((64, 64), 2), ((37, 53), 1)):
+            args, kwargs = _batch(cpu.task, channels, shape, count, seed=channels)
+            _parity(cpu, gpu, args, kwargs)
+    if cpu.pads_exactly:
+        sizes = [(48, 40), (33, 48)]
+        args, kwargs = _batch(cpu.task, 1, (48, 48), 2, seed=7)
+        _parity(cpu, gpu, args, kwargs, sizes=sizes)
+
+
+@pytest.mark.parametrize("padding", ["zeros", "circular", "symmetric", "reflect"])
+def test_convolutions_in_float32_match_float64_whatever_the_process_allows(padding: str) -> None:
+    """cuDNN's float32 convolution with TF32 allowed process-wide, inside the IEEE section: within
+    float32's rounding of the float64 result (TF32 would be ~1e-3 off)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(4, 3, 65, 47, generator=gen, dtype=torch.float64)
+    bank = torch.randn(3, 3, 11, 11, generator=gen, dtype=torch.float64)
+    exact = conv(x, bank, padding)
+    before = torch.backends.cudnn.conv.fp32_precision
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
+    try:
+        with ieee_float32():
+            got = conv(x.float().cuda(), bank.float().cuda(), padding).double().cpu()
+    finally:
+        torch.backends.cudnn.conv.fp32_precision = before
+    assert ((got - exact).abs().max() / exact.abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_transforms_match_float64(batch: int) -> None:
+    x = torch.rand(batch, 1, 64, 48, generator=torch.Generator().manual_seed(batch), dtype=torch.float64)
+    got = dct2(x.float().cuda()).double().cpu()
+    torch.testing.assert_close(got, dct2(x), rtol=0, atol=1e-5)
+    torch.testing.assert_close(idct2(dct2(x.float().cuda())).double().cpu(), x, rtol=0, atol=1e-5)
+
+
+def _affine(device: str, batch: int):
+    """``f(z) = (t − z) ⊛ k/λ`` with a PSD taper kernel at ``‖K/λ‖ = 5`` (its positive taps' sum):
+    a linear Gaussian kGLM-DEQ that damped iteration also solves (``β = 0.3``)."""
+    gen = torch.Generator().manual_seed(batch)
+    t = torch.rand(batch, 1, 48, 48, generator=gen).to(device)
+    ii = torch.arange(-4, 5, dtype=torch.float32)
+    tri = 1 - ii.abs() / 5
+    taps = torch.exp(-(ii[:, None] ** 2 + ii[None] ** 2) / 4) * tri[:, None] * tri[None]
+    bank = (5 * taps / taps.sum())[None, None].to(device)
+    return lambda z: conv(t - z, bank), torch.zeros_like(t)
+
+
+@pytest.mark.parametrize("method", sorted(SOLVERS))
+@pytest.mark.parametrize("batch", [1, 8])
+def test_solvers_agree_with_the_cpu_with_few_host_synchronisations(method: str, batch: int) -> None:
+    """Same fixed point and iterations within 1; the host synchronises a handful of times per solve
+    (CG's restart checks), not once per step (``torch.cuda.set_sync_debug_mode``)."""
+    cfg = SolverConfig(method=method, tol=1e-5, max_iter=300, damping=0.3 if method == "fixed_point" else 1.0)
+    f_cpu, z0_cpu = _affine("cpu", batch)
+    z_cpu, s_cpu = solve(f_cpu, z0_cpu, cfg)
+    f_gpu, z0_gpu = _affine("cuda", batch)
+    torch.cuda.synchronize()
+    with ieee_float32(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            z_gpu, s_gpu = solve(f_gpu, z0_gpu, cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert s_cpu.converged.all() and s_gpu.converged.cpu().all()
+    assert int(s_gpu.iterations.max()) >= 5
+    assert len(syncs) <= 3, [str(w.message) for w in syncs]
+    assert (s_cpu.iterations - s_gpu.iterations.cpu()).abs().max() <= 1
+    torch.testing.assert_close(z_gpu.cpu(), z_cpu, rtol=0, atol=1e-4)
+
+
+def _post(url: str, route: str, files: dict, data: dict | None = None) -> httpx.Response:
+    return httpx.post(url + route, files=files, data=data or {}, timeout=120)
+
+
+def test_the_service_on_cuda_answers_every_route_and_exports_gpu_memory(tmp_path: Path) -> None:
+    clean = smooth_image(96, 80)
+    png = encode(to_uint8(noisy(clean, SIGMA)))
+    holes = encode(to_uint8((np.random.default_rng(0).random(clean.shape) < 0.3).astype(float)))
+    with run_server(tmp_path, device="cuda:0") as server:
+        assert httpx.get(server.url + "/readyz").status_code == 200
+        for route, files in (
+            ("/denoise", {"image": png}),
+            ("/inpaint", {"image": png, "mask": holes}),
+            ("/segment", {"image": png}),
+        ):
+            r = _post(server.url, route, files)
+            assert r.status_code == 200, (route, r.text)
+            assert r.headers["X-KDEQ-Converged"] == "true"
+        text = httpx.get(server.url + "/metrics").text
+        assert metric(text, "kdeq_cuda_memory_allocated_bytes", device="cuda:0") > 0
+        assert metric(text, "kdeq_cuda_memory_total_bytes", device="cuda:0") > 0
+
+
+def test_out_of_memory_is_a_503_and_the_next_request_succeeds_with_memory_back(tmp_path: Path) -> None:
+    """A real out-of-memory: another process (this one) holds nearly all the GPU while a 4-megapixel
+    guided denoise arrives; 503 with Retry-After, then, with the memory given back, 200 — and the
+    server's allocated bytes return to what they were before the failed batch."""
+    big = encode(to_uint8(noisy(smooth_image(2000, 2000), SIGMA)))
+    small = encode(to_uint8(noisy(smooth_image(96, 96), SIGMA)))
+    with run_server(tmp_path, device="cuda:0", models="denoise-kglm:2", max_pixels=4_200_000) as server:
+        assert _post(server.url, "/denoise", {"image": small}).status_code == 200
+        baseline = metric(httpx.get(server.url + "/metrics").text, "kdeq_cuda_memory_allocated_bytes")
+        free, _ = torch.cuda.mem_get_info(0)
+        hog = torch.empty(max(0, free - (96 << 20)), dtype=torch.uint8, device="cuda:0")
+        try:
+            r = _post(server.url, "/denoise", {"image": big})
+        finally:
+            del hog
+            torch.cuda.empty_cache()
+        assert r.status_code == 503 and r.json()["error"] == "out_of_memory", r.text
+        assert "Retry-After" in r.headers
+        assert _post(server.url, "/denoise", {"image": small}).status_code == 200
+        text = httpx.get(server.url + "/metrics").text
+        assert metric(text, "kdeq_rejected_requests_total", reason="out_of_memory") >= 1
+        assert metric(text, "kdeq_cuda_memory_allocated_bytes") <= baseline + (8 << 20)
+        assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+def test_one_training_epoch_on_cuda_needs_no_rollback(tmp_path: Path) -> None:
+    from kdeq.train import TrainConfig, train
+    from tests.test_train import smooth_images
+
+    train_dir = smooth_images(tmp_path / "train", 6, 40, 0)
+    val_dir = smooth_images(tmp_path / "val", 2, 32, 1)
+    cfg = TrainConfig.model_validate(
+        dict(
+            task="denoise",
+            spec="denoise-kglm-net",
+            train=(train_dir,),
+            val=(val_dir,),
+            out=tmp_path / "models" / "denoise-kglm-net" / "1",
+            epochs=2,
+            pilot_epochs=1,
+            samples_per_epoch=16,
+            batch_size=4,
+            patch_size=32,
+            device="cuda",
+            workers=0,
+        )
+    )
+    train(cfg)
+    metrics = json.loads((cfg.out / "report" / "metrics.json").read_text())
+    trained = [e for e in metrics["epochs"] if "rollbacks" in e]
+    assert len(trained) == 2 and metrics["rollbacks"] == 0, metrics["epochs"]
+    assert all(e["train_converged"] == 1.0 and e["val_converged"] == 1.0 for e in trained)
+
+
+def test_cuda_is_named_by_its_index_and_listed_once() -> None:
+    from kdeq.predictor import resolve_device
+    from service.settings import Settings, SettingsError
+
+    assert resolve_device("cuda") == torch.device("cuda", torch.cuda.current_device())
+    assert resolve_device("auto").type == "cuda"
+    with pytest.raises((SettingsError, ValueError), match="same device"):
+        Settings.from_env({"KDEQ_DEVICE": "cuda,cuda:0"}).devices()
+
+
+TRIGGER = 40
+
+
+def test_a_real_device_side_assert_retires_the_device_and_exits_3(tmp_path: Path) -> None:
+    """A real device-side assert (an out-of-range gather on the GPU) inside a request's solve: the
+    request gets 503 ``device_failed`` and the process exits 3 for the orchestrator to restart it."""
+    image = encode(to_uint8(noisy(smooth_image(TRIGGER, TRIGGER), 20.0)))
+    settings = {"models": "denoise-stationary-kglm", "max_batch_size": 1, "device": "cuda:0"}
+    with run_server(tmp_path, command=("tests.test_cuda",), **settings) as server:
+        r = _post(server.url, "/denoise", {"image": image})
+        assert r.status_code == 503 and r.json()["error"] == "device_failed", r.text
+        assert server.process.wait(60) == 3
+
+
+def _serve_with_a_device_side_assert() -> int:
+    import service.state
+    from service.cli import main
+
+    real = service.state.solve_batch
+
+    def solve_batch(predictor, inputs):
+        if inputs[0].image.shape[-1] == TRIGGER:
+            dev = predictor.device
+            torch.arange(4, device=dev)[torch.tensor([10**9], device=dev)]
+            torch.cuda.synchronize(dev)
+        return real(predictor, inputs)
+
+    service.state.solve_batch = solve_batch
+    return main([])
+
+
+if __name__ == "__main__":
+    raise SystemExit(_serve_with_a_device_side_assert())
