@@ -230,6 +230,8 @@ class Metrics:
             ["collector"],
             registry=None,
         )
+        # a zero series from the start, on every device kind: the alert's rate() sees the first error
+        self.collector_errors.labels("cuda_memory")
         self.cuda_memory: CudaMemoryCollector | None = None
         if any(d.startswith("cuda") for d in devices):
             self.cuda_memory = CudaMemoryCollector(devices)
