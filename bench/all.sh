@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The speed benchmarks, one after the other (about 20 minutes on 2 cores; needs ../shared/data and the
 # benchmark environment of docs/BENCHMARKS.md): the solvers on one fixed-point map, the models against
-# classical denoisers with the linear path and memory sections (and CUDA where there is a device),
+# classical denoisers with the linear path and memory sections (GPU figures: bench/gpu.sh),
 # then the HTTP service against the predictor in process, batching off and on. Each writes its tables
 # to stdout and to bench/out/<time>/. The quality benchmarks (bench/quality.py, bench/finetune.py)
 # take hours and run on their own.

@@ -1,5 +1,5 @@
 """Speed of the solve paths, side by side: models against classical denoisers, the linear path against
-its transform floor, the guided kernel's memory, and (on CUDA) throughput by batch size.
+its transform floor, the guided kernel's memory and the segmenter's warm start.
 
     .venv-bench/bin/python bench/speed.py [--seed 0] [--images 3] [--no-bm3d] [--sections ...]
 
@@ -17,8 +17,8 @@ Sections (all by default; each prints a Markdown table):
   budget and a 128 MiB one.
 - ``warmstart``: the segmenter (Bernoulli, Anderson) from ``σ(0)`` against a start from its
   linearised equilibrium, on generated shapes with additive noise.
-- ``cuda``: images/s at batch 1…64, p50 latency at batch 1 and GPU memory per megapixel; skipped
-  (and said so) when this machine has no CUDA device.
+
+GPU figures come from ``bench/gpu.sh`` (``bench/gpu.py``), which runs the CUDA suite first.
 
 Times are the best of ``--repeat`` runs after a warm-up, with torch's default threads. Needs
 ``../shared/data`` for the ``models`` section and the benchmark environment (scikit-image,
@@ -250,39 +250,11 @@ def section_warmstart(args: argparse.Namespace) -> None:
             )
 
 
-def section_cuda(args: argparse.Namespace) -> None:
-    if not torch.cuda.is_available():
-        print("\n### CUDA\n\nNo CUDA device on this machine: section not run.")
-        return
-    device = torch.device("cuda")
-    model = load_predictor(find_model(default_models_dir(), "denoise-kglm", 1), device)
-    print(f"\n### CUDA: {torch.cuda.get_device_name(device)}, denoise-kglm, σ given\n")
-    print("| size | batch | images/s | ÷ batch 1 | p50 ms per batch | GPU MiB per MP |")
-    print("|---|---|---|---|---|---|")
-    for size in (256, 512):
-        single = None
-        for batch in (1, 2, 4, 8, 16, 32, 64):
-            x = torch.rand(batch, 1, size, size, generator=torch.Generator().manual_seed(0)).pin_memory()
-            torch.cuda.reset_peak_memory_stats(device)
-            times = []
-            for _ in range(args.repeat + 1):
-                torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                model.predict(x, sigma=SIGMA).output.cpu()
-                times.append(time.perf_counter() - start)
-            p50 = float(np.median(times[1:]))
-            rate = batch / p50
-            single = single or rate
-            mib = torch.cuda.max_memory_allocated(device) / 2**20 / (batch * size * size / 1e6)
-            print(f"| {size}² | {batch} | {rate:.1f} | {rate / single:.2f} | {p50 * 1e3:.1f} | {mib:.0f} |")
-
-
 SECTIONS = {
     "models": section_models,
     "linear": section_linear,
     "memory": section_memory,
     "warmstart": section_warmstart,
-    "cuda": section_cuda,
 }
 
 
