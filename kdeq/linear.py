@@ -154,6 +154,11 @@ def symmetric_preconditioner(w1: Stationary, size: tuple[int, int]) -> Callable[
     return lambda r: idct2(dct2(r) / denom)
 
 
+def _restrict(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``M x``: ``x`` on the observed set (all of it without a mask)."""
+    return x if mask is None else mask * x
+
+
 def _start(
     w2: torch.nn.Module,
     t: torch.Tensor,
@@ -171,15 +176,11 @@ def _start(
     (``kdeq.solvers.linear_cg``); the mean wins at high noise, where it is the closer start.
     Either residual is formed from a difference taken before the kernel multiplies it.
     """
-
-    def restrict(x: torch.Tensor) -> torch.Tensor:
-        return x if mask is None else mask * x
-
     base = torch.zeros_like(t) if mean is None else mean.expand_as(t)
     if z0 is not None:
-        return z0, restrict(w2(restrict(t - z0))) - (z0 - base)
-    u = restrict(t - base)
-    from_mean = restrict(w2(u))
+        return z0, _restrict(w2(_restrict(t - z0, mask)), mask) - (z0 - base)
+    u = _restrict(t - base, mask)
+    from_mean = _restrict(w2(u), mask)
     from_observed = -u
     observed = t if mask is None else torch.where(mask > 0, t, base)
     pick = (from_observed.flatten(1).norm(dim=1) < from_mean.flatten(1).norm(dim=1)).view(-1, 1, 1, 1)
@@ -207,11 +208,8 @@ def solve_affine(
         if done is not None:
             return done
 
-    def restrict(x: torch.Tensor) -> torch.Tensor:
-        return x if mask is None else mask * x
-
     def apply_a(z: torch.Tensor) -> torch.Tensor:
-        return z - restrict(w1(restrict(z)))
+        return z - _restrict(w1(_restrict(z, mask)), mask)
 
     if isinstance(w2, Negated) and w2.inner is w1:
         z0, r0 = _start(w2, t, mean, mask, z0)
@@ -220,7 +218,7 @@ def solve_affine(
             z0 = torch.zeros_like(t) if mean is None else mean.expand_as(t)
         # two applications here, and a start at m: W2 is a trained map of its own (Anderson-only
         # models and fine-tuned untied layers), so −M u is not the observations' residual
-        b = restrict(w2(restrict(t))) + (0.0 if mean is None else mean)
+        b = _restrict(w2(_restrict(t, mask)), mask) + (0.0 if mean is None else mean)
         r0 = b - apply_a(z0)
 
     precondition = None

@@ -105,7 +105,9 @@ class ModelRegistry:
         raises ``DeviceFailedError``, since no model can run on the device any more."""
         for slot in self.slots.values():
             predictor = slot.predictors.get(device)
-            for size in sizes if slot.ready and predictor is not None else ():
+            if not slot.ready or predictor is None:
+                continue
+            for size in sizes:
                 try:
                     solve_batch(predictor, [warmup_input(predictor.task, size)])
                 except Exception as err:

@@ -64,3 +64,17 @@ def denoise_batch(
     clean = torch.rand(2, 1, height, width, generator=gen)
     noisy = clean + 0.1 * torch.randn(clean.shape, generator=gen)
     return clean, {"noisy": noisy, "sigma": torch.tensor([25.0, 25.0])}
+
+
+def predict_arguments(
+    task: str, images: torch.Tensor, sigma: float, gen: torch.Generator
+) -> tuple[tuple, dict]:
+    """``predict``'s arguments for a task's model on ``images`` ``(B, c, H, W)`` that carry noise of
+    ``sigma`` (0–255 scale): the denoiser is told ``sigma``, the inpainter gets half the pixels missing
+    (drawn from ``gen``), the segmenter the images alone."""
+    if task == "inpaint":
+        shape = (images.shape[0], 1, *images.shape[-2:])
+        return (images, (torch.rand(shape, generator=gen) < 0.5).float()), {}
+    if task == "segment":
+        return (images,), {}
+    return (images,), {"sigma": sigma}

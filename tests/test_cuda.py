@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq import SOLVERS, SolverConfig, solve
+from kdeq import SOLVERS, Kernel, SolverConfig, solve
 from kdeq.conv import conv
 from kdeq.precision import ieee_float32
 from kdeq.repository import load_predictor
 from kdeq.transforms import dct2, idct2
+from tests.helpers import predict_arguments
 from tests.service_helpers import encode, metric, noisy, run_server, smooth_image, to_uint8
 
 pytestmark = [
@@ -42,11 +43,7 @@ def _batch(task: str, channels: int, shape: tuple[int, int], count: int, seed: i
         [torch.from_numpy(smooth_image(*shape, seed=seed + k)).float() for k in range(count)]
     )[:, None].expand(count, channels, *shape)
     images = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1)
-    if task == "inpaint":
-        return (images, (torch.rand(count, 1, *shape, generator=gen) < 0.5).float()), {}
-    if task == "segment":
-        return (images,), {}
-    return (images,), {"sigma": SIGMA}
+    return predict_arguments(task, images, SIGMA, gen)
 
 
 def _channels(model) -> list[int]:
@@ -108,9 +105,7 @@ def _affine(device: str, batch: int):
     a linear Gaussian kGLM-DEQ that damped iteration also solves (``β = 0.3``)."""
     gen = torch.Generator().manual_seed(batch)
     t = torch.rand(batch, 1, 48, 48, generator=gen).to(device)
-    ii = torch.arange(-4, 5, dtype=torch.float32)
-    tri = 1 - ii.abs() / 5
-    taps = torch.exp(-(ii[:, None] ** 2 + ii[None] ** 2) / 4) * tri[:, None] * tri[None]
+    taps = Kernel(lengthscale=2**0.5, radius=4).filter()
     bank = (5 * taps / taps.sum())[None, None].to(device)
     return lambda z: conv(t - z, bank), torch.zeros_like(t)
 

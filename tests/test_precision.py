@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from kdeq import adaptive, deq, linear, precision
 from kdeq.cli import test_image as piecewise_image
 from kdeq.repository import load_predictor
+from tests.helpers import predict_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.parent for p in (ROOT / "models").glob("*/*/config.json"))
@@ -28,12 +29,9 @@ def _inputs(model, size: int = 48, sigma: float = 25.0, seed: int = 0) -> tuple[
     missing; the arguments of ``model.predict``."""
     gen = torch.Generator().manual_seed(seed)
     clean = piecewise_image(size)
-    noisy = clean + sigma / 255 * torch.randn(clean.shape, generator=gen)
-    if model.task == "inpaint":
-        return (noisy, (torch.rand(1, 1, size, size, generator=gen) < 0.5).float()), {}
-    if model.task == "segment":
-        return (noisy,), {}
-    return (noisy,), {"sigma": sigma}
+    return predict_arguments(
+        model.task, clean + sigma / 255 * torch.randn(clean.shape, generator=gen), sigma, gen
+    )
 
 
 def _tf32(x: torch.Tensor) -> torch.Tensor:
