@@ -104,7 +104,7 @@ BASELINES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=("denoise", "inpaint", "segment"), required=True)
+    parser.add_argument("--task", choices=list(BASELINES), required=True)
     parser.add_argument("checkpoints", nargs="+", type=Path)
     parser.add_argument("--bsd68", action="store_true")
     parser.add_argument("--cbsd68", type=int, default=0, metavar="N", help="the first N CBSD68 images")

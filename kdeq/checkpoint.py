@@ -45,8 +45,15 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
 
-Task = Literal["denoise", "inpaint", "segment"]
-FAMILY_OF_TASK: dict[str, str] = {"denoise": "gaussian", "inpaint": "gaussian", "segment": "bernoulli"}
+
+def task_family(task: str) -> str:
+    """The family of ``task``'s models; ``ValueError`` for a task that is not registered."""
+    # imported here: the tasks import their predictors, which import this module
+    from kdeq.tasks import TASKS
+
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; the tasks are {sorted(TASKS)}")
+    return TASKS[task].family
 
 
 class _Strict(BaseModel):
@@ -116,7 +123,7 @@ class FixedLambda(_Strict):
 
 LambdaRule = Annotated[NoiseLambda | FixedLambda, Field(discriminator="rule")]
 
-Mean = Literal["none", "global", "local", "normalized_convolution"]
+Mean = Literal["none", "global", "local", "normalized_convolution", "interpolated"]
 
 
 class ModelSpec(_Strict):
@@ -124,14 +131,16 @@ class ModelSpec(_Strict):
 
     Attributes:
         name, version: the repository path ``models/<name>/<version>``.
-        task: ``denoise`` | ``inpaint`` | ``segment`` (fixes the family: Gaussian, Gaussian, Bernoulli).
-        architecture: ``conv`` (stationary) or ``guided`` (adaptive, denoise only), either with a
+        task: a registered task (``kdeq.tasks.TASKS``), which fixes the family and the rules the rest
+            of the spec obeys (``Task.check_spec``).
+        architecture: ``conv`` (stationary) or ``guided`` (adaptive: denoise, deblur), either with a
             learned network (``kdeq.guidenet``): the guided denoiser's guide, the inpainter's or the
-            segmenter's mean.
-        lam: the ``λ`` rule (``noise`` needs a noise level: denoise only).
+            segmenter's mean. Each task says which it takes (``Task.check_spec``).
+        lam: the ``λ`` rule (``noise`` needs a noise level: denoise, deblur).
         mean: Appendix H mean ``m``: ``none``; ``global`` (per-channel image mean);
             ``local`` (the kernel's own normalised average ``D⁻¹K y``, guided only);
-            ``normalized_convolution`` (Gaussian-weighted mean of the observed pixels).
+            ``normalized_convolution`` (Gaussian-weighted mean of the observed pixels);
+            ``interpolated`` (the bicubic interpolation of the observations, super-resolve only).
         mean_smoothing: std (pixels) of the ``normalized_convolution`` mean.
         presmooth: std (pixels) of the smoothing applied before segmentation's threshold.
         solver: default solver settings.
@@ -139,7 +148,7 @@ class ModelSpec(_Strict):
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")
     version: int = Field(1, ge=1)
-    task: Task
+    task: str = Field(description="a registered task (kdeq.tasks.TASKS), which fixes the family")
     description: str = ""
     architecture: Architecture
     lam: LambdaRule
@@ -150,29 +159,16 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _compatible(self) -> ModelSpec:
-        guided = self.architecture.kind == "guided"
-        if guided and self.task != "denoise":
-            raise ValueError("the guided (adaptive) architecture is for the denoise task")
-        if self.mean == "local" and not guided:
+        from kdeq.tasks import TASKS
+
+        family = task_family(self.task)
+        if self.mean == "local" and self.architecture.kind != "guided":
             raise ValueError(
                 "mean 'local' is the guided kernel's own average; use it with a guided architecture"
             )
-        net = self.architecture.net
-        if net is not None:
-            wanted = "sigma" if guided else {"inpaint": "mask", "segment": "image"}.get(self.task)
-            if net.condition != wanted:
-                raise ValueError(
-                    "a network is the guided denoiser's guide (condition 'sigma'), the conv "
-                    "inpainter's mean (condition 'mask') or the segmenter's (condition 'image')"
-                )
-            if self.task == "inpaint" and self.mean != "normalized_convolution":
-                raise ValueError("the inpainter's network adds to the normalized_convolution mean")
-            if self.task == "segment" and self.mean != "none":
-                raise ValueError("the segmenter's network is its mean: use mean 'none'")
-        if self.lam.rule == "noise" and self.task != "denoise":
-            raise ValueError("the noise λ rule needs a noise level, which only the denoise task has")
-        if self.solver.method == "cg" and self.task == "segment":
-            raise ValueError("CG needs an affine equilibrium map; segmentation (Bernoulli) is not affine")
+        TASKS[self.task].check_spec(self)
+        if self.solver.method == "cg" and family != "gaussian":
+            raise ValueError(f"CG needs an affine equilibrium map; the {family} family is not affine")
         return self
 
 
@@ -196,10 +192,8 @@ class ModelConfig(ModelSpec):
 
     @model_validator(mode="after")
     def _family_matches(self) -> ModelConfig:
-        if self.family != FAMILY_OF_TASK[self.task]:
-            raise ValueError(
-                f"task {self.task} uses the {FAMILY_OF_TASK[self.task]} family, not {self.family}"
-            )
+        if self.family != task_family(self.task):
+            raise ValueError(f"task {self.task} uses the {task_family(self.task)} family, not {self.family}")
         return self
 
 
@@ -298,7 +292,7 @@ def save_checkpoint(
     config = ModelConfig(
         **spec.model_dump(),
         format_version=FORMAT_VERSION,
-        family=FAMILY_OF_TASK[spec.task],
+        family=task_family(spec.task),
         provenance=provenance or Provenance(),
         weights_sha256=hashlib.sha256(blob).hexdigest(),
     )

@@ -1,7 +1,8 @@
 """The ``kdeq`` command line.
 
-- ``kdeq denoise|inpaint|segment IN -o OUT``: run a model from the repository on an image file
-  and print the solver statistics;
+- ``kdeq TASK IN -o OUT`` for every registered task (``kdeq.tasks.TASKS``: denoise, inpaint, …),
+  with the task's options and file inputs as flags: run a repository model on an image file and
+  print the solver statistics;
 - ``kdeq models``: list the repository;
 - ``kdeq samples DIR``: write generated sample images to try the models on;
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
@@ -26,9 +27,12 @@ import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
+from types import UnionType
+from typing import Literal, Union, get_args, get_origin
 
 import torch
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from kdeq.checkpoint import CheckpointError, ModelSpec
 from kdeq.families import Gaussian
@@ -36,11 +40,12 @@ from kdeq.imageio import read_image, read_mask, write_png
 from kdeq.initialize import DEFAULT_SPECS, init_checkpoint
 from kdeq.kernels import Kernel
 from kdeq.kglm import conv_deq
-from kdeq.predictor import Prediction, SolverOverride
+from kdeq.predictor import SolverOverride
 from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
 from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
+from kdeq.tasks import TASKS, InputError, Task, solve_batch
 from kdeq.train import calibrate, init_compare
 from kdeq.train import cli as train_cli
 
@@ -91,41 +96,64 @@ def demo(size: int, sigma: float, seed: int) -> None:
         )
 
 
-def _print_stats(name: str, pred: Prediction, elapsed: float) -> None:
-    s = pred.stats
-    extra = f", sigma {pred.sigma[0].item():.2f}" if pred.sigma is not None else ""
-    if pred.threshold is not None:
-        extra += f", threshold {pred.threshold[0].item():.3f}"
-    print(
-        f"{name}: iterations {s.iterations[0].item()}, residual {s.residual[0].item():.2e}, "
-        f"converged {bool(s.converged[0].item())}, lambda {pred.lam[0].item():.4g}{extra}, "
-        f"{elapsed * 1e3:.0f} ms"
-    )
+def _option_type(info: FieldInfo) -> dict:
+    """``argparse`` keywords (``type``, ``choices``) for an ``Options`` field."""
+    kind = info.annotation
+    if get_origin(kind) in (Union, UnionType):  # X | None: the flag is absent for None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    if get_origin(kind) is Literal:
+        choices = get_args(kind)
+        return {"type": type(choices[0]), "choices": choices}
+    return {"type": kind}
+
+
+def add_task_arguments(parser: argparse.ArgumentParser, task: Task) -> None:
+    """``--OPTION`` for each of ``task``'s options and ``--FILE`` for each of its file inputs."""
+    for name, info in task.options.model_fields.items():
+        default = "" if info.is_required() or info.default is None else f" (default {info.default})"
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            required=info.is_required(),
+            help=f"{info.description}{default}",
+            **_option_type(info),
+        )
+    for spec in task.files:
+        parser.add_argument(
+            "--" + spec.name.replace("_", "-"), dest=spec.name, metavar="FILE", help=spec.description
+        )
 
 
 def _run_model(args: argparse.Namespace) -> int:
+    task = TASKS[args.command]
     root = Path(args.models_dir)
-    name, _, ver = (args.model or f"{args.command}-kglm").partition(":")
+    name, _, ver = (args.model or f"{task.name}-kglm").partition(":")
     predictor = load_predictor(find_model(root, name, int(ver) if ver else None), args.device)
-    if predictor.task != args.command:
+    if predictor.task != task.name:
         raise ValueError(f"model {predictor.name} is a {predictor.task} model")
-    image = read_image(args.input)
+    given = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}
+    options = task.options(**given)
+    files = {}
+    for spec in task.files:
+        path = getattr(args, spec.name)
+        if path is not None:
+            files[spec.name] = (read_mask(path) if spec.kind == "mask" else read_image(path))[0].numpy()
+    image = read_image(args.input)[0].numpy()
     override = SolverOverride(tol=args.tol, max_iter=args.max_iter)
     start = time.perf_counter()
-    if args.command == "denoise":
-        pred = predictor.predict(image, sigma=args.sigma, solver=override)
-        out = pred.output[0]
-    elif args.command == "inpaint":
-        missing = read_mask(args.mask)
-        pred = predictor.predict(image, missing, solver=override)
-        out = pred.output[0]
-    else:
-        pred = predictor.predict(image, threshold=args.threshold, solver=override)
-        out = pred.output[0] if args.output == "probability" else pred.mask[0].float()
+    try:
+        request = task.prepare(image, None, options, files, override)
+    except InputError as err:
+        raise ValueError(err.detail) from None
+    solved = solve_batch(task, predictor, [request])[0]
     elapsed = time.perf_counter() - start
-    write_png(args.out, out)
-    _print_stats(predictor.name, pred, elapsed)
-    return 0 if bool(pred.stats.converged.all()) else 3
+    write_png(args.out, torch.from_numpy(solved.output))
+    extra = "".join(f", {k} {v:.4g}" for k, v in solved.fields.items() if v is not None)
+    print(
+        f"{predictor.name}: iterations {solved.iterations}, residual {solved.residual:.2e}, "
+        f"converged {solved.converged}, lambda {solved.lam:.4g}{extra}, {elapsed * 1e3:.0f} ms"
+    )
+    return 0 if solved.converged else 3
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -168,26 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     p_demo.add_argument("--seed", type=int, default=0)
 
     models_dir = str(default_models_dir())
-    for task, what in (
-        ("denoise", "remove noise"),
-        ("inpaint", "fill missing pixels"),
-        ("segment", "binary mask"),
-    ):
-        p = sub.add_parser(task, help=f"{what} in an image file with a repository model")
+    for task in TASKS.values():
+        p = sub.add_parser(
+            task.name, help=f"{task.summary[0].lower()}{task.summary[1:]}: an image file, a repository model"
+        )
         p.add_argument("input", help="PNG, JPEG, WebP or TIFF")
         p.add_argument("-o", "--out", required=True, help="output PNG")
-        p.add_argument("--model", help=f"NAME or NAME:VERSION (default {task}-kglm, latest version)")
+        p.add_argument("--model", help=f"NAME or NAME:VERSION (default {task.name}-kglm, latest version)")
         p.add_argument("--models-dir", default=models_dir)
         p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
         p.add_argument("--tol", type=float, help="solver tolerance override")
         p.add_argument("--max-iter", type=int, help="solver iteration cap override")
-        if task == "denoise":
-            p.add_argument("--sigma", type=float, help="noise level on the 0–255 scale (default: estimated)")
-        elif task == "inpaint":
-            p.add_argument("--mask", required=True, help="image of the same size, non-zero = missing")
-        else:
-            p.add_argument("--threshold", type=float, help="binarisation threshold in [0, 1] (default Otsu)")
-            p.add_argument("--output", choices=("mask", "probability"), default="mask")
+        add_task_arguments(p, task)
     p_models = sub.add_parser("models", help="list the model repository")
     p_models.add_argument("--models-dir", default=models_dir)
     p_samples = sub.add_parser("samples", help="write sample images (photo, noisy, holes, scan) to try")

@@ -30,7 +30,6 @@ from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
 from kdeq.guidenet import pilot
-from kdeq.noise import estimate_sigma
 from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 
 
@@ -50,27 +49,6 @@ class Denoiser(Predictor):
     def pads_exactly(self) -> bool:
         arch = self.config.architecture
         return isinstance(arch, GuidedArchitecture) or arch.padding == "zeros"
-
-    def noise_level(
-        self,
-        x: torch.Tensor,
-        sigma: float | Sequence[float] | torch.Tensor | None,
-        sizes: Sizes | None = None,
-    ) -> torch.Tensor:
-        """``σ`` per sample in [0, 1] units ``(B,)``: from ``sigma`` (0–255 scale) or estimated
-        (from each image's own pixels when ``sizes`` are given)."""
-        if sigma is None:
-            if sizes is None:
-                return estimate_sigma(x)
-            return torch.cat([estimate_sigma(x[k : k + 1, :, :h, :w]) for k, (h, w) in enumerate(sizes)])
-        s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1)
-        if s.numel() == 1:
-            s = s.expand(x.shape[0])
-        if s.numel() != x.shape[0]:
-            raise ValueError(f"got {s.numel()} noise levels for {x.shape[0]} images")
-        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()) or bool((s > 255).any()):
-            raise ValueError("sigma must be a finite noise level in [0, 255]")
-        return s / 255.0
 
     def forward(
         self,

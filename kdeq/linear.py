@@ -115,6 +115,15 @@ def transform_solve(
     """``(z*, stats, f(z*) if with_map)`` with ``z* = T⁻¹[(s2 ĥ2 T t + T m)/(1 − s1 ĥ1)]`` for ``t``
     ``(B, c, H, W)``, or ``None`` when the maps are not diagonal in one transform. ``iterations`` is 0;
     the residual is ``‖f(z) − z‖`` evaluated in the transform domain (the same number, by Parseval)."""
+    # in float64: with ‖K/λ‖ ~ 10⁴ (low noise, deblurring) a float32 z already has a relative residual
+    # ~ eps·‖K/λ‖ ~ 10⁻³; solved in float64 and rounded once, z is the float32 image of the exact solution
+    dtype = t.dtype
+    w1 = Stationary(w1.taps.double(), torch.as_tensor(w1.scale).double(), w1.padding)
+    w2 = Stationary(w2.taps.double(), torch.as_tensor(w2.scale).double(), w2.padding)
+    t = t.double()
+    constant = mean is not None and _constant(mean)
+    # a constant mean keeps its stride-0 view (a plain conversion would materialise it)
+    mean = None if mean is None else (mean[..., :1, :1].double() if constant else mean.double())
     found = _transform_symbols(w1, w2, tuple(t.shape[-2:]))
     if found is None:
         return None
@@ -122,9 +131,9 @@ def transform_solve(
     t_hat = forward(t)
     rhs = w2.scale * h2 * t_hat
     if mean is not None:
-        if _constant(mean):
+        if constant:
             # a constant has only the DC coefficient, √(HW)·m in both orthonormal transforms
-            dc = mean[..., :1, :1] * (t.shape[-2] * t.shape[-1]) ** 0.5
+            dc = mean * (t.shape[-2] * t.shape[-1]) ** 0.5
             rhs[..., :1, :1] += dc
         else:
             rhs = rhs + forward(mean)
@@ -132,17 +141,17 @@ def transform_solve(
     z = inverse(z_hat)
     bsz = t.shape[0]
     resid = w1.scale * h1 * z_hat + rhs - z_hat
-    floor = max(config.atol * z[0].numel() ** 0.5, torch.finfo(z.dtype).tiny)
+    floor = max(config.atol * z[0].numel() ** 0.5, torch.finfo(dtype).tiny)
     num = (resid.abs().square() * weights).reshape(bsz, -1).sum(1).sqrt()
     den = ((z_hat + resid).abs().square() * weights).reshape(bsz, -1).sum(1).sqrt()
     res = num / den.clamp(min=floor)
     res = torch.where(torch.isfinite(res), res, torch.inf)
     stats = SolverStats(
         iterations=torch.zeros(bsz, dtype=torch.int64, device=t.device),
-        residual=res,
+        residual=res.to(dtype),
         converged=res <= config.tol,
     )
-    return z, stats, inverse(z_hat + resid) if with_map else None
+    return z.to(dtype), stats, inverse(z_hat + resid).to(dtype) if with_map else None
 
 
 def symmetric_preconditioner(w1: Stationary, size: tuple[int, int]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -227,5 +236,8 @@ def solve_affine(
     symmetric = s1 is not None and s1.padding == "zeros"
     if mask is None and symmetric and min(t.shape[-2:]) > s1.taps.shape[-1] // 2:
         precondition = symmetric_preconditioner(s1, tuple(t.shape[-2:]))
+    elif mask is None and callable(getattr(w1, "preconditioner", None)):
+        # a map that knows its own approximate inverse (kdeq.operators.Sandwich)
+        precondition = w1.preconditioner(tuple(t.shape[-2:]))
     z, stats, r = linear_cg(apply_a, r0, z0, config, precondition)
     return z, stats, z + r if with_map else None

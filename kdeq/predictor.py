@@ -33,6 +33,7 @@ from kdeq.families import Family
 from kdeq.filters import gaussian_taps, normalized_convolution, observed_mean
 from kdeq.implicit import Backward
 from kdeq.linear import Negated
+from kdeq.noise import estimate_sigma
 from kdeq.precision import ieee
 from kdeq.priors import GaussianPrior
 from kdeq.solvers import SolverConfig, SolverStats
@@ -186,6 +187,27 @@ class Predictor:
         """``forward`` (see the subclass for its arguments) without autograd."""
         with torch.inference_mode():
             return self.forward(*args, **kwargs)
+
+    def noise_level(
+        self,
+        x: torch.Tensor,
+        sigma: float | Sequence[float] | torch.Tensor | None,
+        sizes: Sizes | None = None,
+    ) -> torch.Tensor:
+        """``σ`` per sample in [0, 1] units ``(B,)``: from ``sigma`` (0–255 scale) or estimated
+        (from each image's own pixels when ``sizes`` are given)."""
+        if sigma is None:
+            if sizes is None:
+                return estimate_sigma(x)
+            return torch.cat([estimate_sigma(x[k : k + 1, :, :h, :w]) for k, (h, w) in enumerate(sizes)])
+        s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).reshape(-1)
+        if s.numel() == 1:
+            s = s.expand(x.shape[0])
+        if s.numel() != x.shape[0]:
+            raise ValueError(f"got {s.numel()} noise levels for {x.shape[0]} images")
+        if not bool(torch.isfinite(s).all()) or bool((s < 0).any()) or bool((s > 255).any()):
+            raise ValueError("sigma must be a finite noise level in [0, 255]")
+        return s / 255.0
 
     @property
     def pads_exactly(self) -> bool:

@@ -10,12 +10,9 @@ from pathlib import Path
 import torch
 
 from kdeq.checkpoint import CheckpointError, ModelConfig, load_checkpoint, read_config
-from kdeq.denoise import Denoiser
-from kdeq.inpaint import Inpainter
 from kdeq.predictor import Predictor
-from kdeq.segment import Segmenter
+from kdeq.tasks import TASKS
 
-PREDICTORS: dict[str, type[Predictor]] = {"denoise": Denoiser, "inpaint": Inpainter, "segment": Segmenter}
 NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 VERSION = re.compile(r"^[0-9]{1,9}$")  # ASCII digits only: str.isdigit() also accepts "²"
 
@@ -72,4 +69,4 @@ def find_model(root: Path, name: str, version: int | None = None) -> Path:
 def load_predictor(path: str | Path, device: str | torch.device = "cpu") -> Predictor:
     """Load the checkpoint at ``path`` onto ``device`` as its task's predictor."""
     checkpoint = load_checkpoint(path)
-    return PREDICTORS[checkpoint.config.task](checkpoint, device)
+    return TASKS[checkpoint.config.task].predictor(checkpoint, device)

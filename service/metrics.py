@@ -26,13 +26,14 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kdeq.tasks import TASKS
 from service import __version__
 
 log = logging.getLogger("kdeq.service")
 
 # the statuses the inference routes answer with; their series start at 0 so that rate() sees the
 # first error (a counter series born at 3 has no increase until its next change)
-INFERENCE_ROUTES = frozenset({"/denoise", "/inpaint", "/segment"})
+INFERENCE_ROUTES = frozenset(task.route for task in TASKS.values())
 INFERENCE_STATUSES = ("200", "400", "401", "404", "413", "415", "422", "500", "503", "504")
 REJECTION_REASONS = (
     "queue_full",

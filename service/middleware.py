@@ -25,8 +25,17 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # the API key guards these; health, readiness and metrics stay open for probes and scrapers
-PROTECTED_ROUTES = INFERENCE_ROUTES | {"/models"}
-ROUTES = INFERENCE_ROUTES | {"/models", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json", "/"}
+PROTECTED_ROUTES = INFERENCE_ROUTES | {"/models", "/tasks"}
+ROUTES = INFERENCE_ROUTES | {
+    "/models",
+    "/tasks",
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/docs",
+    "/openapi.json",
+    "/",
+}
 
 
 def endpoint_label(scope: Scope) -> str:

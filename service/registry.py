@@ -18,9 +18,9 @@ from pathlib import Path
 from kdeq.checkpoint import CheckpointError, ModelConfig, read_config
 from kdeq.predictor import Predictor
 from kdeq.repository import NAME, VERSION, find_model, list_models, load_predictor
+from kdeq.tasks import TASKS, solve_batch
 from service.devices import classify
 from service.errors import ApiError, DeviceFailedError
-from service.tasks import solve_batch, warmup_input
 
 log = logging.getLogger("kdeq.service")
 
@@ -107,9 +107,10 @@ class ModelRegistry:
             predictor = slot.predictors.get(device)
             if not slot.ready or predictor is None:
                 continue
+            task = TASKS[predictor.task]
             for size in sizes:
                 try:
-                    solve_batch(predictor, [warmup_input(predictor.task, size)])
+                    solve_batch(task, predictor, [task.warmup(size)])
                 except Exception as err:
                     if classify(err) == "device":
                         raise DeviceFailedError(device, str(err)) from None

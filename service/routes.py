@@ -1,19 +1,22 @@
-"""The HTTP routes: inference (``/denoise``, ``/inpaint``, ``/segment``) and operations
-(``/models``, ``/healthz``, ``/readyz``, ``/metrics``).
+"""The HTTP routes: one inference route per registered task (``POST /<task>``, generated from
+``kdeq.tasks.TASKS``) and operations (``/tasks``, ``/models``, ``/healthz``, ``/readyz``, ``/metrics``).
 
-An inference request is decoded (``service.decode``, in a worker thread),
-queued and solved (``service.engine`` → ``service.tasks``) and encoded
-(``service.encode``, in a worker thread).
+An inference request is decoded (``service.decode``, in a worker thread), made
+into the task's ``Request`` (``Task.prepare``), queued and solved
+(``service.engine`` → ``kdeq.tasks.solve_batch``) and encoded (``service.encode``,
+in a worker thread).
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
+import inspect
 import math
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args, get_origin
 
 import numpy as np
 from fastapi import APIRouter, Depends, File, Form, Request, Security, UploadFile
@@ -21,16 +24,19 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError, create_model
+from pydantic import Field as PydanticField
+from pydantic.fields import FieldInfo
 
 from kdeq.predictor import SolverOverride
+from kdeq.tasks import TASKS, InputError, Solved, Task
+from kdeq.tasks import Request as TaskRequest
 from service.decode import DecodedImage, decode_image, decode_mask
 from service.encode import PNG, encode_png, wants_json
 from service.engine import Job
 from service.errors import ERROR_RESPONSES, ApiError
 from service.registry import ModelSlot
 from service.state import Service
-from service.tasks import Solved, TaskInput
 
 router = APIRouter()
 
@@ -53,7 +59,8 @@ class Timings(BaseModel):
 
 
 class Result(BaseModel):
-    """The JSON body of an inference response (``Accept: application/json``)."""
+    """The JSON body of an inference response (``Accept: application/json``); each task adds its
+    ``ResultField`` values (``Task.fields``) as fields of its own subclass."""
 
     model: str
     image: str
@@ -63,8 +70,6 @@ class Result(BaseModel):
     mode: str
     solver: SolverInfo
     lam: float
-    sigma: float | None
-    threshold: float | None
     batch_size: int
     timings: Timings
 
@@ -91,43 +96,43 @@ def only_fields(*names: str) -> Callable:
     return Depends(check)
 
 
-PNG_AND_JSON = {
-    200: {
-        "description": "the result as a PNG (default) or, with `Accept: application/json`, as JSON with "
-        "the PNG in base64; solver statistics in the `X-KDEQ-*` headers either way",
-        "model": Result,  # the application/json body, as a schema component
-        "content": {PNG: {"schema": {"type": "string", "format": "binary"}}},
-        "headers": {
-            "X-KDEQ-Model": {
-                "description": "the model that answered, NAME:VERSION",
-                "schema": {"type": "string"},
-            },
-            "X-KDEQ-Iterations": {"description": "solver iterations", "schema": {"type": "integer"}},
-            "X-KDEQ-Residual": {
-                "description": "relative residual ‖f(z)−z‖/‖f(z)‖ (`inf` or `nan` if the solve diverged)",
-                "schema": {"type": "string"},
-            },
-            "X-KDEQ-Converged": {
-                "description": "`true` or `false` (the best iterate is returned)",
-                "schema": {"type": "string"},
-            },
-            "X-KDEQ-Sigma": {
-                "description": "noise level used, 0–255 (denoise)",
-                "schema": {"type": "string"},
-            },
-            "X-KDEQ-Threshold": {"description": "threshold used (segment)", "schema": {"type": "string"}},
-            "X-KDEQ-Batch-Size": {
-                "description": "requests solved together with this one",
-                "schema": {"type": "string"},
-            },
-            "Server-Timing": {
-                "description": "decode, queue, inference, encode and total milliseconds",
-                "schema": {"type": "string"},
+def _responses(task: Task, result: type[Result]) -> dict:
+    """The OpenAPI responses of ``task``'s route: the PNG or JSON result with its headers, and the errors."""
+    fields = {f.header: {"description": f.description, "schema": {"type": "string"}} for f in task.fields}
+    return {
+        200: {
+            "description": "the result as a PNG (default) or, with `Accept: application/json`, as JSON with "
+            "the PNG in base64; solver statistics in the `X-KDEQ-*` headers either way",
+            "model": result,  # the application/json body, as a schema component
+            "content": {PNG: {"schema": {"type": "string", "format": "binary"}}},
+            "headers": {
+                "X-KDEQ-Model": {
+                    "description": "the model that answered, NAME:VERSION",
+                    "schema": {"type": "string"},
+                },
+                "X-KDEQ-Iterations": {"description": "solver iterations", "schema": {"type": "integer"}},
+                "X-KDEQ-Residual": {
+                    "description": "relative residual ‖f(z)−z‖/‖f(z)‖ (`inf` or `nan` if the solve diverged)",
+                    "schema": {"type": "string"},
+                },
+                "X-KDEQ-Converged": {
+                    "description": "`true` or `false` (the best iterate is returned)",
+                    "schema": {"type": "string"},
+                },
+                **fields,
+                "X-KDEQ-Batch-Size": {
+                    "description": "requests solved together with this one",
+                    "schema": {"type": "string"},
+                },
+                "Server-Timing": {
+                    "description": "decode, queue, inference, encode and total milliseconds",
+                    "schema": {"type": "string"},
+                },
             },
         },
-    },
-    **ERROR_RESPONSES,
-}
+        **ERROR_RESPONSES,
+    }
+
 
 ImageField = Annotated[UploadFile, File(description="PNG, JPEG, WebP or TIFF; grey or colour")]
 ModelField = Annotated[
@@ -155,216 +160,217 @@ def _override(slot: ModelSlot, max_iter: int | None, tol: float | None) -> Solve
     return SolverOverride(max_iter=max_iter, tol=tol)
 
 
-async def _infer(
-    request: Request,
-    endpoint: str,
-    slot: ModelSlot,
-    make_input: Callable[[], tuple[TaskInput, DecodedImage]],
-    output_mode: Callable[[DecodedImage], tuple[str, object]],
-) -> Response:
-    svc = _service(request)
-    start = time.monotonic()
-    ticket = request.state.kdeq_ticket  # admitted by the Admission middleware
-    try:
-        task_input, decoded = await run_in_threadpool(make_input)
-    except ApiError as err:
-        if err.error == "too_many_pixels":
-            svc.metrics.rejected.labels("too_many_pixels").inc()
-        raise
-    decoded_at = time.monotonic()
-    h, w = task_input.image.shape[-2:]
-    job = Job(
-        endpoint=endpoint,
-        model=slot.id,
-        batch_key=task_input.batch_key(slot.id, slot.pads_exactly),
-        payload=task_input,
-        pixels=h * w,
-        deadline=start + svc.settings.request_timeout_seconds,
-    )
-    solved: Solved = await svc.engine.infer(job, ticket)
-    done_at = time.monotonic()
-    mode, alpha = output_mode(decoded)
-    png = await run_in_threadpool(encode_png, solved.output, mode, alpha)
-    end = time.monotonic()
-    timings = Timings(
-        decode_seconds=decoded_at - start,
-        queue_seconds=job.started_at - job.enqueued_at,
-        inference_seconds=done_at - job.started_at,
-        encode_seconds=end - done_at,
-        total_seconds=end - start,
-    )
-    headers = {
-        "Vary": "Accept",
-        "X-KDEQ-Model": slot.id,
-        "X-KDEQ-Iterations": str(solved.iterations),
-        "X-KDEQ-Residual": f"{solved.residual:.3e}",
-        "X-KDEQ-Converged": "true" if solved.converged else "false",
-        "X-KDEQ-Batch-Size": str(job.batch_size),
-        "Server-Timing": ", ".join(
-            f"{k.removesuffix('_seconds')};dur={v * 1e3:.1f}" for k, v in timings.model_dump().items()
-        ),
-    }
-    if solved.sigma is not None:
-        headers["X-KDEQ-Sigma"] = f"{solved.sigma:.3f}"
-    if solved.threshold is not None:
-        headers["X-KDEQ-Threshold"] = f"{solved.threshold:.4f}"
-    if not wants_json(request.headers.get("accept")):
-        return Response(png, media_type=PNG, headers=headers)
-    # JSON has no infinity: a diverged solve's residual is reported as null (the header says "inf")
-    residual = solved.residual if math.isfinite(solved.residual) else None
-    body = Result(
-        model=slot.id,
-        image=base64.b64encode(png).decode(),
-        width=w,
-        height=h,
-        mode=mode,
-        solver=SolverInfo(iterations=solved.iterations, residual=residual, converged=solved.converged),
-        lam=solved.lam,
-        sigma=solved.sigma,
-        threshold=solved.threshold,
-        batch_size=job.batch_size,
-        timings=timings,
-    )
-    return JSONResponse(body.model_dump(), headers=headers)
-
-
-def _admit(
-    request: Request, task: str, model: str | None, max_iter: int | None, tol: float | None
-) -> tuple[ModelSlot, SolverOverride | None, int]:
-    """Before decoding: the model (400/404), the solver override (422) and the pixel limit. (The
-    ``Admission`` middleware has refused already when the engine could not take the request.)"""
-    svc = _service(request)
-    slot = svc.registry.resolve(task, model)
-    return slot, _override(slot, max_iter, tol), svc.settings.max_pixels
-
-
 def _read(upload: UploadFile) -> bytes:
     upload.file.seek(0)
     return upload.file.read()
 
 
-def _same_mode(decoded: DecodedImage) -> tuple[str, object]:
-    return decoded.mode, decoded.alpha
+def _form_parameter(name: str, info: FieldInfo) -> inspect.Parameter:
+    """An option of a task's ``Options`` model as a form parameter with the same type and constraints."""
+    constraints: dict = {}
+    for item in info.metadata:  # annotated-types constraints and pydantic's general metadata
+        constraints.update(dataclasses.asdict(item) if dataclasses.is_dataclass(item) else vars(item))
+    form = Form(description=info.description, **constraints)
+    default = inspect.Parameter.empty if info.is_required() else info.default
+    kind = info.annotation
+    if get_origin(kind) is Literal and all(type(v) is int for v in get_args(kind)):
+        # a form value is text, and a Literal of ints takes no "2"; parsed as an int here, the
+        # options model then checks it is one of them
+        kind = int
+    return inspect.Parameter(name, KEYWORD, default=default, annotation=Annotated[kind, form])
 
 
-@router.post(
-    "/denoise",
-    summary="Remove noise from an image",
-    responses=PNG_AND_JSON,
-    response_class=Response,
-    dependencies=[*AUTH, only_fields("image", "sigma", "model", "max_iter", "tol")],
-)
-async def denoise(
-    request: Request,
-    image: ImageField,
-    sigma: Annotated[
-        float | None,
-        Form(
-            ge=0,
-            le=255,
-            allow_inf_nan=False,
-            description="noise level on the 0–255 scale (default: estimated)",
-        ),
-    ] = None,
-    model: ModelField = None,
-    max_iter: MaxIterField = None,
-    tol: TolField = None,
-) -> Response:
-    """Denoise `image` with a Gaussian kGLM-DEQ; `sigma` is estimated per image when absent."""
-    slot, override, limit = _admit(request, "denoise", model, max_iter, tol)
-
-    def make() -> tuple[TaskInput, DecodedImage]:
-        decoded = decode_image(_read(image), "image", limit)
-        return TaskInput(decoded.pixels, sigma=sigma, solver=override), decoded
-
-    return await _infer(request, "/denoise", slot, make, _same_mode)
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
 
 
-@router.post(
-    "/inpaint",
-    summary="Fill missing pixels",
-    responses=PNG_AND_JSON,
-    response_class=Response,
-    dependencies=[*AUTH, only_fields("image", "mask", "model", "max_iter", "tol")],
-)
-async def inpaint(
-    request: Request,
-    image: ImageField,
-    mask: Annotated[
-        UploadFile | None,
-        File(
-            description="same size as `image`, non-zero = missing; "
-            "when absent, the image's alpha channel is 0 where missing"
-        ),
-    ] = None,
-    model: ModelField = None,
-    max_iter: MaxIterField = None,
-    tol: TolField = None,
-) -> Response:
-    """Fill the missing pixels of `image` (given by `mask`, or by a zero alpha channel)."""
-    slot, override, limit = _admit(request, "inpaint", model, max_iter, tol)
-
-    def make() -> tuple[TaskInput, DecodedImage]:
-        decoded = decode_image(_read(image), "image", limit)
-        if mask is not None:
-            missing = decode_mask(_read(mask), "mask", decoded.size, limit)
-        elif decoded.alpha is not None:
-            missing = decoded.alpha == 0
+def _decode_inputs(
+    task: Task, image: UploadFile, files: dict[str, UploadFile], limit: int
+) -> tuple[DecodedImage, dict[str, np.ndarray]]:
+    """The decoded ``image`` and the task's file inputs that were sent (``FileInput.kind``)."""
+    decoded = decode_image(_read(image), "image", limit)
+    arrays = {}
+    for spec in task.files:
+        upload = files.get(spec.name)
+        if upload is None:
+            continue
+        if spec.kind == "mask":
+            arrays[spec.name] = decode_mask(_read(upload), spec.name, decoded.size, limit)
         else:
-            raise ApiError(
-                400, "missing_mask", "send a `mask`, or an image with an alpha channel 0 where missing"
-            )
-        if bool(missing.all()):
-            raise ApiError(422, "nothing_observed", "every pixel is marked missing; nothing to inpaint from")
-        if not bool(missing.any()):
-            raise ApiError(
-                422,
-                "nothing_missing",
-                "no pixel is marked missing (mask: non-zero = missing); nothing to fill",
-            )
-        return TaskInput(decoded.pixels, missing=missing, solver=override), decoded
-
-    def mode(decoded: DecodedImage) -> tuple[str, object]:
-        if mask is not None or decoded.alpha is None:
-            return decoded.mode, decoded.alpha
-        # holes given by the alpha channel are filled, so they become opaque; the rest keeps its alpha
-        return decoded.mode, np.where(decoded.alpha == 0, np.float32(1), decoded.alpha)
-
-    return await _infer(request, "/inpaint", slot, make, mode)
+            arrays[spec.name] = decode_image(_read(upload), spec.name, limit).pixels
+    return decoded, arrays
 
 
-@router.post(
-    "/segment",
-    summary="Binary foreground mask",
-    responses=PNG_AND_JSON,
-    response_class=Response,
-    dependencies=[*AUTH, only_fields("image", "threshold", "output", "model", "max_iter", "tol")],
-)
-async def segment(
-    request: Request,
-    image: ImageField,
-    threshold: Annotated[
-        float | None,
-        Form(
-            ge=0, le=1, allow_inf_nan=False, description="binarisation threshold in [0, 1] (default: Otsu's)"
-        ),
-    ] = None,
-    output: Annotated[
-        Literal["mask", "probability"],
-        Form(description="`mask`: 0/255 grey PNG; `probability`: foreground probability × 255"),
-    ] = "mask",
-    model: ModelField = None,
-    max_iter: MaxIterField = None,
-    tol: TolField = None,
-) -> Response:
-    """Segment `image` into foreground and background with kernel logistic regression."""
-    slot, override, limit = _admit(request, "segment", model, max_iter, tol)
+def add_task_route(router: APIRouter, task: Task) -> None:
+    """``POST /<task>``: the form fields are ``image``, the task's options and file inputs, ``model``,
+    ``max_iter`` and ``tol``; the response is ``task``'s ``Result`` (JSON) or the PNG with headers."""
+    result_model = create_model(
+        f"{task.name.title().replace('-', '')}Result",
+        __base__=Result,
+        **{f.name: (float | None, PydanticField(None, description=f.description)) for f in task.fields},
+    )
+    option_names = list(task.options.model_fields)
+    file_names = [f.name for f in task.files]
 
-    def make() -> tuple[TaskInput, DecodedImage]:
-        decoded = decode_image(_read(image), "image", limit)
-        return TaskInput(decoded.pixels, threshold=threshold, output=output, solver=override), decoded
+    async def endpoint(request: Request, **form: object) -> Response:
+        svc = _service(request)
+        start = time.monotonic()
+        ticket = request.state.kdeq_ticket  # admitted by the Admission middleware
+        # before decoding: the model (400/404), the solver override (422), the options (422)
+        slot = svc.registry.resolve(task.name, form["model"])
+        override = _override(slot, form["max_iter"], form["tol"])
+        try:
+            options = task.options(**{name: form[name] for name in option_names})
+        except ValidationError as err:
+            detail = "; ".join(e["msg"] for e in err.errors(include_url=False))
+            raise ApiError(422, "invalid_option", detail) from None
+        uploads = {name: form[name] for name in file_names if form[name] is not None}
+        limit = svc.settings.max_pixels
 
-    return await _infer(request, "/segment", slot, make, lambda decoded: ("L", None))
+        def make() -> tuple[TaskRequest, DecodedImage]:
+            decoded, arrays = _decode_inputs(task, form["image"], uploads, limit)
+            try:
+                job_input = task.prepare(decoded.pixels, decoded.alpha, options, arrays, override)
+            except InputError as err:
+                raise ApiError(400 if err.absent else 422, err.code, err.detail) from None
+            h, w = task.output_size(job_input)
+            if h * w > limit:
+                raise ApiError(
+                    413, "too_many_pixels", f"the output would be {w}×{h}, more than {limit} pixels"
+                )
+            return job_input, decoded
+
+        try:
+            job_input, decoded = await run_in_threadpool(make)
+        except ApiError as err:
+            if err.error == "too_many_pixels":
+                svc.metrics.rejected.labels("too_many_pixels").inc()
+            raise
+        decoded_at = time.monotonic()
+        h, w = task.output_size(job_input)
+        c = job_input.image.shape[0]
+        ih, iw = job_input.image.shape[-2:]
+        # a model that pads exactly batches sizes within a factor of two (kdeq.predictor.pad_images)
+        shape = (c, ih.bit_length(), iw.bit_length()) if slot.pads_exactly else job_input.image.shape
+        job = Job(
+            endpoint=task.route,
+            model=slot.id,
+            batch_key=(slot.id, shape, task.batch_key(job_input)),
+            payload=job_input,
+            pixels=h * w,
+            deadline=start + svc.settings.request_timeout_seconds,
+        )
+        solved: Solved = await svc.engine.infer(job, ticket)
+        done_at = time.monotonic()
+        mode = "L" if task.grey_output else decoded.mode
+        alpha = task.output_alpha(job_input, decoded.alpha, list(uploads))
+        png = await run_in_threadpool(encode_png, solved.output, mode, alpha)
+        end = time.monotonic()
+        timings = Timings(
+            decode_seconds=decoded_at - start,
+            queue_seconds=job.started_at - job.enqueued_at,
+            inference_seconds=done_at - job.started_at,
+            encode_seconds=end - done_at,
+            total_seconds=end - start,
+        )
+        headers = {
+            "Vary": "Accept",
+            "X-KDEQ-Model": slot.id,
+            "X-KDEQ-Iterations": str(solved.iterations),
+            "X-KDEQ-Residual": f"{solved.residual:.3e}",
+            "X-KDEQ-Converged": "true" if solved.converged else "false",
+            "X-KDEQ-Batch-Size": str(job.batch_size),
+            "Server-Timing": ", ".join(
+                f"{k.removesuffix('_seconds')};dur={v * 1e3:.1f}" for k, v in timings.model_dump().items()
+            ),
+        }
+        for f in task.fields:
+            value = solved.fields[f.name]
+            if value is not None:
+                headers[f.header] = format(value, f.format)
+        if not wants_json(request.headers.get("accept")):
+            return Response(png, media_type=PNG, headers=headers)
+        # JSON has no infinity: a diverged solve's residual is reported as null (the header says "inf")
+        residual = solved.residual if math.isfinite(solved.residual) else None
+        body = result_model(
+            model=slot.id,
+            image=base64.b64encode(png).decode(),
+            width=w,
+            height=h,
+            mode=mode,
+            solver=SolverInfo(iterations=solved.iterations, residual=residual, converged=solved.converged),
+            lam=solved.lam,
+            batch_size=job.batch_size,
+            timings=timings,
+            **solved.fields,
+        )
+        return JSONResponse(body.model_dump(), headers=headers)
+
+    files = [
+        inspect.Parameter(
+            spec.name,
+            KEYWORD,
+            default=None,
+            annotation=Annotated[UploadFile | None, File(description=spec.description)],
+        )
+        for spec in task.files
+    ]
+    endpoint.__signature__ = inspect.Signature(
+        [
+            inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
+            inspect.Parameter("image", KEYWORD, annotation=ImageField),
+            *(_form_parameter(name, info) for name, info in task.options.model_fields.items()),
+            *files,
+            inspect.Parameter("model", KEYWORD, default=None, annotation=ModelField),
+            inspect.Parameter("max_iter", KEYWORD, default=None, annotation=MaxIterField),
+            inspect.Parameter("tol", KEYWORD, default=None, annotation=TolField),
+        ]
+    )
+    endpoint.__name__ = task.name.replace("-", "_")
+    router.add_api_route(
+        task.route,
+        endpoint,
+        methods=["POST"],
+        summary=task.summary,
+        description=" ".join((task.__doc__ or task.summary).split()),
+        responses=_responses(task, result_model),
+        response_class=Response,
+        dependencies=[*AUTH, only_fields("image", *option_names, *file_names, "model", "max_iter", "tol")],
+    )
+
+
+for _task in TASKS.values():
+    add_task_route(router, _task)
+
+
+class TaskInfo(BaseModel):
+    """A task as ``GET /tasks`` lists it: enough for a client to build its form."""
+
+    name: str
+    route: str
+    summary: str
+    family: str
+    options: dict
+    files: list[dict]
+    fields: list[dict]
+    models: list[str]
+
+
+@router.get("/tasks", summary="The tasks, their options and their loaded models", dependencies=AUTH)
+async def tasks(request: Request) -> list[TaskInfo]:
+    registry = _service(request).registry
+    return [
+        TaskInfo(
+            name=t.name,
+            route=t.route,
+            summary=t.summary,
+            family=t.family,
+            options=t.options.model_json_schema(),
+            files=[{"name": f.name, "description": f.description, "kind": f.kind} for f in t.files],
+            fields=[{"name": f.name, "description": f.description, "header": f.header} for f in t.fields],
+            models=[s.id for s in registry.slots.values() if s.ready and s.task == t.name],
+        )
+        for t in TASKS.values()
+    ]
 
 
 class ModelInfo(BaseModel):
@@ -390,9 +396,7 @@ class ModelInfo(BaseModel):
 )
 async def models(request: Request) -> list[ModelInfo]:
     registry = _service(request).registry
-    defaults = {
-        t: s.id for t in ("denoise", "inpaint", "segment") for s in [registry.default(t)] if s is not None
-    }
+    defaults = {t: s.id for t in TASKS for s in [registry.default(t)] if s is not None}
     out = []
     for slot in registry.slots.values():
         c = slot.config

@@ -18,13 +18,13 @@ import logging
 import threading
 from typing import Literal
 
+from kdeq.tasks import TASKS, Solved, solve_batch
 from service.devices import choose_devices, classify, release_memory, select_device, trim_heap
 from service.engine import Engine, Job
 from service.errors import ApiError, DeviceFailedError
 from service.metrics import Metrics
 from service.registry import ModelRegistry
 from service.settings import Settings
-from service.tasks import Solved, solve_batch
 
 log = logging.getLogger("kdeq.service")
 
@@ -74,7 +74,7 @@ class Service:
             self.metrics.model_ready.labels(slot.id).set(1 if slot.ready else 0)
             if slot.ready:
                 # a zero series from the start, so a non-convergence ratio is defined before the first miss
-                self.metrics.solver_nonconverged.labels(f"/{slot.task}", slot.id)
+                self.metrics.solver_nonconverged.labels(TASKS[slot.task].route, slot.id)
         with self._phase_lock:
             if self.phase == "starting":
                 self.phase = "ready"
@@ -135,7 +135,7 @@ class Service:
         slot = self.registry.slots[jobs[0].model]
         refusal: ApiError | None = None
         try:
-            solved = solve_batch(slot.predictors[device], [job.payload for job in jobs])
+            solved = solve_batch(TASKS[slot.task], slot.predictors[device], [job.payload for job in jobs])
         except ValueError as err:  # the model's own input checks: a request it cannot take
             refusal = ApiError(422, "invalid_input", f"{slot.id}: {err}")
         except Exception as err:

@@ -5,6 +5,8 @@ from collections.abc import Callable
 
 import torch
 
+from kdeq.psf import parse_psf
+
 
 def binary_shapes(count: int, size: int, seed: int) -> torch.Tensor:
     """``count`` binary images ``(count, 1, size, size)`` of random discs and rectangles, float64."""
@@ -71,10 +73,14 @@ def predict_arguments(
 ) -> tuple[tuple, dict]:
     """``predict``'s arguments for a task's model on ``images`` ``(B, c, H, W)`` that carry noise of
     ``sigma`` (0–255 scale): the denoiser is told ``sigma``, the inpainter gets half the pixels missing
-    (drawn from ``gen``), the segmenter the images alone."""
-    if task == "inpaint":
-        shape = (images.shape[0], 1, *images.shape[-2:])
-        return (images, (torch.rand(shape, generator=gen) < 0.5).float()), {}
-    if task == "segment":
-        return (images,), {}
-    return (images,), {"sigma": sigma}
+    (drawn from ``gen``), the segmenter the images alone, the deblurrer a Gaussian PSF and ``sigma``,
+    the super-resolver a scale of 2. A new task adds its line here (``KeyError`` until it does)."""
+    shape = (images.shape[0], 1, *images.shape[-2:])
+    arguments = {
+        "denoise": lambda: ((images,), {"sigma": sigma}),
+        "inpaint": lambda: ((images, (torch.rand(shape, generator=gen) < 0.5).float()), {}),
+        "segment": lambda: ((images,), {}),
+        "deblur": lambda: ((images, parse_psf("gaussian:1.6")), {"sigma": sigma}),
+        "super-resolve": lambda: ((images,), {"scale": 2}),
+    }
+    return arguments[task]()

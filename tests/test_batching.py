@@ -9,6 +9,7 @@ from kdeq.cli import test_image as piecewise_image
 from kdeq.initialize import DEFAULT_SPECS, init_checkpoint
 from kdeq.predictor import SolverOverride, pad_images
 from kdeq.repository import find_model, load_predictor
+from kdeq.tasks import TASKS, solve_batch
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 SHAPES = [(40, 52), (33, 47), (48, 48)]
@@ -110,14 +111,14 @@ def test_sizes_must_fit_the_batch() -> None:
 
 
 def test_service_batches_different_sizes_and_crops_each_result_back() -> None:
-    from service.tasks import TaskInput, solve_batch
-
+    task = TASKS["denoise"]
     model = load_predictor(find_model(MODELS, "denoise-kglm"), "cpu")
-    inputs = [TaskInput(im.numpy(), sigma=20.0, solver=TIGHT) for im in noisy_images(1)]
-    assert len({i.batch_key("m", model.pads_exactly) for i in inputs}) == 1
-    assert len({i.batch_key("m") for i in inputs}) == len(inputs)
-    together = solve_batch(model, inputs)
+    options = task.options(sigma=20.0)
+    inputs = [task.prepare(im.numpy(), None, options, {}, TIGHT) for im in noisy_images(1)]
+    assert len({i.image.shape for i in inputs}) == len(inputs)
+    assert len({task.batch_key(i) for i in inputs}) == 1
+    together = solve_batch(task, model, inputs)
     for item, solved in zip(inputs, together, strict=True):
-        alone = solve_batch(model, [item])[0]
+        alone = solve_batch(task, model, [item])[0]
         assert solved.output.shape == item.image.shape
         assert abs(solved.output - alone.output).max() < 2e-5

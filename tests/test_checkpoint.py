@@ -25,6 +25,8 @@ def test_committed_defaults_equal_a_rebuild(tmp_path: Path) -> None:
         "denoise-stationary-kglm",
         "inpaint-kglm",
         "segment-kglm",
+        "deblur-kglm",
+        "super-resolve-kglm",
     }
     for folder in built:
         for name in ("config.json", "weights.safetensors"):
@@ -36,6 +38,8 @@ def test_repository_lists_the_shipped_models() -> None:
     assert default_models_dir() == SHIPPED
     entries = list_models(SHIPPED)
     assert [(e.name, e.version, e.error) for e in entries] == [
+        ("deblur-kglm", 1, None),
+        ("deblur-kglm", 2, None),  # the adaptive kernel guided by 1's output, in closed form
         ("denoise-kglm", 1, None),
         ("denoise-kglm", 2, None),  # the learned guide, trained from 1's kGLM start by kdeq train
         ("denoise-stationary-kglm", 1, None),
@@ -45,6 +49,7 @@ def test_repository_lists_the_shipped_models() -> None:
         ("inpaint-kglm", 3, None),  # the learned mean, trained from 1's kGLM start by kdeq train
         ("segment-kglm", 1, None),
         ("segment-kglm", 2, None),  # the learned logit mean, trained from 1's kGLM start by kdeq train
+        ("super-resolve-kglm", 1, None),
     ]
 
 

@@ -242,12 +242,12 @@ def _serve_with_a_device_side_assert() -> int:
 
     real = service.state.solve_batch
 
-    def solve_batch(predictor, inputs):
+    def solve_batch(task, predictor, inputs):
         if inputs[0].image.shape[-1] == TRIGGER:
             dev = predictor.device
             torch.arange(4, device=dev)[torch.tensor([10**9], device=dev)]
             torch.cuda.synchronize(dev)
-        return real(predictor, inputs)
+        return real(task, predictor, inputs)
 
     service.state.solve_batch = solve_batch
     return main([])

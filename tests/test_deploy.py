@@ -336,6 +336,16 @@ def test_committed_dashboard_is_the_generators_output() -> None:
     assert (DEPLOY / "grafana" / "dashboards" / "kdeq.json").read_text() == expected
 
 
+def test_recording_rules_match_every_inference_route() -> None:
+    from service.metrics import INFERENCE_ROUTES
+
+    generator = runpy.run_path(str(DEPLOY / "grafana" / "dashboard.py"))
+    text = (DEPLOY / "prometheus" / "rules" / "kdeq-recording.yml").read_text()
+    assert text == generator["recording_rules"](text), "run deploy/grafana/dashboard.py"
+    matchers = re.findall(r'endpoint=~"([^"]*)"', text)
+    assert matchers and all(set(m.split("|")) == INFERENCE_ROUTES for m in matchers)
+
+
 # --- image -----------------------------------------------------------------------------------
 
 

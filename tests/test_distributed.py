@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from kdeq.checkpoint import load_checkpoint
 from kdeq.initialize import GROWN_SPECS
+from kdeq.tasks import TASKS
 from kdeq.train import TrainConfig
 from kdeq.train.data import Corruption, PatchDataset
 from kdeq.train.loop import distributed_setup
@@ -240,7 +241,7 @@ def test_each_phase_trains_exactly_the_parameters_its_loss_reaches(recipe) -> No
     # the Jacobian-free backward reaches the parameters the implicit one does, without its solve
     model = TrainableModel(spec, start_tensors(spec, "kglm", 0), torch.device("cpu"), "jacobian_free")
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    data = PatchDataset([torch.rand(1, 24, 24)], 12, Corruption(spec.task), 2, seed=0)
+    data = PatchDataset([torch.rand(1, 24, 24)], 12, TASKS[spec.task], Corruption(), 2, seed=0)
     data.set_epoch(1)
     batch = torch.utils.data.default_collate([data[0], data[1]])
     for pilot_only in (True, False, True):

@@ -22,6 +22,7 @@ from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS, init_checkpoint, init_te
 from kdeq.inpaint import Inpainter
 from kdeq.predictor import SolverOverride, pad_images
 from kdeq.segment import Segmenter, luminance
+from kdeq.tasks import TASKS
 from kdeq.train import TrainConfig, train
 from kdeq.train.data import Corruption, image_files, load_images, validation_set
 from kdeq.train.loop import lr_at
@@ -248,7 +249,8 @@ def test_calibrate_writes_the_best_bandwidth_by_validation(tmp_path: Path) -> No
     )
     report = json.loads((out / "report" / "calibration.json").read_text())
     # each factor's score is the mean PSNR of that bandwidth, recomputed here independently
-    examples = validation_set(load_images(image_files([val_dir]), 1), Corruption("denoise"), (20.0, 40.0), 0)
+    images = load_images(image_files([val_dir]), 1)
+    examples = validation_set(images, TASKS["denoise"], Corruption(), (20.0, 40.0), 0)
     base = load_checkpoint(source)
     for f in factors:
         data = base.config.model_dump()

@@ -102,13 +102,14 @@ def test_ieee_float32_is_in_force_inside_every_predictors_solve(
 
     monkeypatch.setattr(F, "conv2d", watched("conv2d", F.conv2d))
     monkeypatch.setattr(linear, "linear_cg", watched("linear_cg", linear.linear_cg))
+    monkeypatch.setattr(linear, "transform_solve", watched("transform", linear.transform_solve))
     monkeypatch.setattr(deq, "equilibrium", watched("equilibrium", deq.equilibrium))
     monkeypatch.setattr(adaptive.GuidedMap, "forward", watched("guided", adaptive.GuidedMap.forward))
     model = load_predictor(folder, device="cpu")
     args, kwargs = _inputs(model)
     model.predict(*args, **kwargs)
     assert seen and all(ieee for _, ieee in seen), seen
-    assert {name for name, _ in seen} & {"linear_cg", "equilibrium", "guided"}
+    assert {name for name, _ in seen} & {"linear_cg", "transform", "equilibrium", "guided"}
     assert precision.fp32_precisions() == ("tf32",) * len(precision._BACKENDS)
 
 

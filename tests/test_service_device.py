@@ -153,9 +153,9 @@ def test_warm_up_runs_on_the_serving_worker_at_each_configured_size(monkeypatch)
 
     real, warmed = service.registry.solve_batch, []
 
-    def solve(predictor, inputs):
+    def solve(task, predictor, inputs):
         warmed.append((threading.current_thread().name, inputs[0].image.shape[-2:]))
-        return real(predictor, inputs)
+        return real(task, predictor, inputs)
 
     monkeypatch.setattr(service.registry, "solve_batch", solve)
     settings = Settings(models_dir=MODELS, models=(MODEL,), device=("cpu",), warmup_sizes=(16, 40))

@@ -52,11 +52,11 @@ def _serve_with_a_failing_device() -> int:
 
     real = service.state.solve_batch
 
-    def solve_batch(predictor, inputs):
+    def solve_batch(task, predictor, inputs):
         if inputs[0].image.shape[-1] == TRIGGER:
             time.sleep(1.5)
             raise RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA")
-        return real(predictor, inputs)
+        return real(task, predictor, inputs)
 
     service.state.solve_batch = solve_batch
     return main([])

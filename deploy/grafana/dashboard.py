@@ -1,5 +1,9 @@
 """The kdeq Grafana dashboard as code: ``python deploy/grafana/dashboard.py`` writes
-``deploy/grafana/dashboards/kdeq.json`` (a test checks the committed file is this script's output).
+``deploy/grafana/dashboards/kdeq.json`` and sets the inference routes in the recording rules'
+endpoint matchers (tests check that the committed files are this script's output).
+
+The inference routes are the registered tasks' (``kdeq.tasks.TASKS``), so a new task's route is on
+the dashboard and in the rules once this script has run.
 
 Every panel queries the provisioned Prometheus datasource (uid ``kdeq-prometheus``); heavy queries
 read the recording rules of ``deploy/prometheus/rules/kdeq-recording.yml``.
@@ -8,13 +12,17 @@ read the recording rules of ``deploy/prometheus/rules/kdeq-recording.yml``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+from kdeq.tasks import TASKS
 
 DATASOURCE = {"type": "prometheus", "uid": "kdeq-prometheus"}
 GRAFANA_VERSION = "11.2.2"  # the image in docker-compose.yml
 OUT = Path(__file__).resolve().parent / "dashboards" / "kdeq.json"
 RATE = "$__rate_interval"
-INFERENCE = "/denoise|/inpaint|/segment"
+RULES = Path(__file__).resolve().parents[1] / "prometheus" / "rules" / "kdeq-recording.yml"
+INFERENCE = "|".join(task.route for task in TASKS.values())
 WIDTH, HEIGHT = 12, 8
 
 
@@ -227,9 +235,16 @@ def dashboard() -> dict:
     }
 
 
+def recording_rules(text: str) -> str:
+    """``text`` (the recording rules) with every ``endpoint=~"…"`` matcher set to the inference routes."""
+    return re.sub(r'endpoint=~"[^"]*"', f'endpoint=~"{INFERENCE}"', text)
+
+
 def main() -> None:
     OUT.write_text(json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n")
     print(f"wrote {OUT}")
+    RULES.write_text(recording_rules(RULES.read_text()))
+    print(f"wrote {RULES}")
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ from kdeq.checkpoint import (
     save_checkpoint,
 )
 from kdeq.denoise import Denoiser
+from kdeq.tasks import TASKS
 from kdeq.train.data import Corruption, image_files, load_images, validation_set
-from kdeq.train.loop import psnr
+from kdeq.train.objectives import psnr
 
 
 def with_bandwidth(checkpoint: Checkpoint, factor: float) -> Checkpoint:
@@ -70,7 +71,7 @@ def calibrate(
     if not factors or any(f <= 0 for f in factors):
         raise ValueError("factors must be positive")
     checkpoint = load_checkpoint(source)
-    examples = validation_set(load_images(image_files(val), 1), Corruption("denoise"), levels, seed)
+    examples = validation_set(load_images(image_files(val), 1), TASKS["denoise"], Corruption(), levels, seed)
     scores = {f: score(with_bandwidth(checkpoint, f), examples) for f in factors}
     best = max(factors, key=lambda f: sum(scores[f].values()) / len(scores[f]))
     chosen = with_bandwidth(checkpoint, best).config

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import get_args
 
 from pydantic import ValidationError
 
 from kdeq.checkpoint import CheckpointError
+from kdeq.tasks import TASKS
 from kdeq.train.config import TrainConfig
 from kdeq.train.data import MASK_KINDS
+from kdeq.train.objectives import SquaredError
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -23,7 +26,8 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The trainer's options (see ``TrainConfig`` for what each means)."""
-    p.add_argument("--task", required=True, choices=("denoise", "inpaint", "segment"))
+    # every registered task: one without training hooks is refused by TrainConfig, with the reason
+    p.add_argument("--task", required=True, choices=list(TASKS))
     p.add_argument("--spec", help="a default model's name or a ModelSpec JSON file (default: <task>-kglm)")
     p.add_argument("--init", choices=("kglm", "random"), default="kglm")
     p.add_argument("--train", nargs="+", required=True, metavar="DIR", help="training image folders")
@@ -33,7 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples-per-epoch", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8, help="per rank")
     p.add_argument("--patch-size", type=int, default=64)
-    p.add_argument("--loss", choices=("log_mse", "mse"), default="log_mse", help="denoise/inpaint loss")
+    p.add_argument(
+        "--loss", choices=get_args(SquaredError), default="log_mse", help="the Gaussian tasks' loss"
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
     p.add_argument("--warmup-steps", type=int, default=0)
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if hist["best_epoch"] is None:
         print("kdeq train: failed: no epoch had a finite validation score; nothing written", file=sys.stderr)
         return 4
-    score = "val_iou" if cfg.task == "segment" else "val_psnr"
+    score = f"val_{TASKS[cfg.task].score_name}"
     start, best = hist["epochs"][0][score], hist["epochs"][hist["best_epoch"]][score]
     print(
         f"wrote {cfg.out}: epoch {hist['best_epoch']} of {cfg.epochs}, {score} {start:.4g} at the "

@@ -6,19 +6,22 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kdeq.checkpoint import ModelSpec
 from kdeq.implicit import Backward
 from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS
-from kdeq.train.data import MaskKind
+from kdeq.tasks import TASKS
+from kdeq.train.data import Corruption, MaskKind
+from kdeq.train.objectives import SquaredError
 
 
 class TrainConfig(BaseModel):
     """What ``kdeq train`` does.
 
     Attributes:
-        task: ``denoise`` | ``inpaint`` | ``segment``; must match the spec's.
+        task: a registered task (``kdeq.tasks.TASKS``) that defines its training hooks
+            (``kdeq.tasks.base.TRAINING_HOOKS``); must match the spec's.
         spec: a shipped default's name (``denoise-kglm``, …) or a ``ModelSpec`` JSON file: the
             architecture, kernel, ``λ`` rule and solver the model starts from.
         init: ``kglm`` (closed form from the spec's kernel) or ``random`` (same architecture).
@@ -27,12 +30,14 @@ class TrainConfig(BaseModel):
             ``train-state/`` (for ``resume``) inside.
         epochs, samples_per_epoch, batch_size, patch_size: the budget (per rank, ``batch_size``).
         loss: ``log_mse`` (mean over samples of ``ln MSE``, i.e. of −PSNR: high-noise samples do not
-            drown low-noise ones) or ``mse``, for denoise and inpaint; segment uses cross-entropy.
+            drown low-noise ones) or ``mse``, for the Gaussian tasks; a task may have its own loss
+            (segment: cross-entropy).
         lr, schedule, warmup_steps, clip_grad: Adam's step size, cosine or constant decay to 0 after a
             linear warm-up, and the gradient-norm bound.
         sigma, clip_noise: noise levels (0–255) drawn uniformly; clip noisy inputs to [0, 1].
         mask_kinds, missing: inpainting masks and the missing fraction of ``pixels`` masks.
         flip: largest label-flip fraction (segment).
+            These five are the run's ``corruption()``, which each task reads what it needs from.
         train_tol, train_max_iter: forward-solver settings while training (``None``: the model's).
         eval_tol, eval_max_iter: solver settings for validation (``None``: the model's).
         backward: ``implicit`` or ``jacobian_free`` gradients.
@@ -43,7 +48,8 @@ class TrainConfig(BaseModel):
         min_converged: fraction of a batch's solves that must converge; below it (or with a non-finite
             loss or gradient) the step is rolled back to the last good state and the step size halved.
         max_rollbacks: stop with an error after this many rollbacks.
-        val_levels: validation noise levels (denoise), mask-kind indices (inpaint) or flip fractions.
+        val_levels: validation levels, what the task's corruption takes as its ``level`` (denoise: noise
+            levels, inpaint: mask-kind indices, segment: flip fractions); none: the task's defaults.
         val_limit, val_crop: at most this many validation images, centre-cropped to this side (0: whole).
         channels: 1 (grey; colour files become luminance) or 3.
         seed, device, workers: randomness, ``auto``/``cpu``/``cuda[:N]``, data-loading processes.
@@ -57,7 +63,7 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    task: Literal["denoise", "inpaint", "segment"]
+    task: str
     spec: str
     init: Literal["kglm", "random"] = "kglm"
     train: tuple[Path, ...] = Field(min_length=1)
@@ -67,7 +73,7 @@ class TrainConfig(BaseModel):
     samples_per_epoch: int = Field(512, ge=1)
     batch_size: int = Field(8, ge=1)
     patch_size: int = Field(64, ge=8)
-    loss: Literal["log_mse", "mse"] = "log_mse"
+    loss: SquaredError = "log_mse"
     lr: float = Field(2e-3, gt=0)
     schedule: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
@@ -97,6 +103,19 @@ class TrainConfig(BaseModel):
     resume: bool = False
     stop_after: int | None = Field(None, ge=1)
 
+    @field_validator("task")
+    @classmethod
+    def _trainable(cls, task: str) -> str:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; the tasks are {sorted(TASKS)}")
+        missing = TASKS[task].missing_training_hooks
+        if missing:
+            raise ValueError(
+                f"the {task} task cannot be trained yet: its Task defines no {', '.join(missing)} "
+                "(kdeq.tasks.base.TRAINING_HOOKS)"
+            )
+        return task
+
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         for name, (lo, hi), top in (("sigma", self.sigma, 255.0), ("missing", self.missing, 1.0)):
@@ -104,17 +123,9 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{name} must be a range lo ≤ hi within [0, {top:g}], got ({lo}, {hi})")
         if not self.mask_kinds:
             raise ValueError("mask_kinds needs at least one kind")
+        settings = self.corruption()
         for level in self.val_levels:
-            ok = {
-                "denoise": 0 <= level <= 255,
-                "inpaint": level == int(level) and 0 <= level < len(self.mask_kinds),
-                "segment": 0 <= level <= 0.5,
-            }[self.task]
-            if not ok:
-                raise ValueError(
-                    f"val level {level:g} is not a noise level in [0, 255] (denoise), an index into "
-                    f"mask_kinds (inpaint) or a flip fraction in [0, 0.5] (segment)"
-                )
+            TASKS[self.task].check_level(level, settings)
         spec = self.model_spec()
         if spec.task != self.task:
             raise ValueError(f"spec {self.spec!r} is a {spec.task} model, not {self.task}")
@@ -140,12 +151,10 @@ class TrainConfig(BaseModel):
         data.update(name=self.out.parent.name, version=int(self.out.name))
         return ModelSpec.model_validate(data)
 
+    def corruption(self) -> Corruption:
+        """The corruption settings the task's examples are drawn within (labels flip by up to ``flip``)."""
+        return Corruption(self.sigma, self.clip_noise, self.mask_kinds, self.missing, (0.0, self.flip))
+
     def levels(self) -> tuple[float, ...]:
-        """``val_levels``, or the task's default: σ 15/25/50, every mask kind, flip 0.05."""
-        if self.val_levels:
-            return self.val_levels
-        if self.task == "denoise":
-            return (15.0, 25.0, 50.0)
-        if self.task == "inpaint":
-            return tuple(float(i) for i in range(len(self.mask_kinds)))
-        return (0.05,)
+        """``val_levels``, or the task's defaults (``Task.val_levels``)."""
+        return self.val_levels or TASKS[self.task].val_levels(self.corruption())

@@ -1,18 +1,15 @@
-"""Training data: image folders, random patches, and corruptions made on the fly.
+"""Training data: image folders, random patches, and the draws the tasks' corruptions are made of.
 
 Every sample is a pure function of ``(seed, epoch, index)``: its generator is
 seeded from those three numbers, so a run is reproducible whatever the number
 of data workers or ranks, and ``--resume`` continues with exactly the samples
 an uninterrupted run would have drawn.
 
-Corruptions, per task (images in [0, 1]):
-
-- ``denoise``: ``y = x + σn``, ``n ~ N(0, I)``, ``σ ~ U[σ_min, σ_max]`` (0–255 scale), optionally clipped;
-- ``inpaint``: a mask of missing pixels, of one of the kinds ``pixels`` (each pixel missing with
-  probability ``p ~ U[p_min, p_max]``), ``blocks`` (random rectangles) or ``strokes`` (brush strokes:
-  thick random walks);
-- ``segment``: the target ``t = [x̄ > τ]`` (``x̄`` the patch's luminance, ``τ`` its Otsu threshold), the
-  input ``t`` with a fraction ``f ~ U[f_min, f_max]`` of pixels flipped plus additive noise ``σ``.
+Each task corrupts a clean patch its own way (``kdeq.tasks.base.Task.corrupt``, e.g. the
+denoiser's ``y = x + σn``), within the run's settings (``Corruption``); this module holds the
+pieces they draw: uniform numbers, inpainting masks of the kinds ``pixels`` (each pixel missing
+with a probability), ``blocks`` (random rectangles) and ``strokes`` (brush strokes: thick random
+walks), and the segmenter's binary target.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +26,9 @@ from torch.utils.data import Dataset
 
 from kdeq.imageio import read_image
 from kdeq.segment import luminance, otsu_threshold
+
+if TYPE_CHECKING:
+    from kdeq.tasks.base import Task
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
 MaskKind = Literal["pixels", "blocks", "strokes"]
@@ -80,7 +80,8 @@ def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
-def _uniform(gen: torch.Generator, lo: float, hi: float) -> float:
+def uniform(gen: torch.Generator, lo: float, hi: float) -> float:
+    """A number drawn uniformly from ``[lo, hi]`` (one draw from ``gen``, also when ``lo == hi``)."""
     return lo + (hi - lo) * torch.rand((), generator=gen).item()
 
 
@@ -110,8 +111,8 @@ def block_mask(shape: tuple[int, int], gen: torch.Generator, count: int = 3) -> 
     h, w = shape
     miss = torch.zeros(shape, dtype=torch.bool)
     for _ in range(count):
-        bh = max(1, int(_uniform(gen, h / 8, h / 3)))
-        bw = max(1, int(_uniform(gen, w / 8, w / 3)))
+        bh = max(1, int(uniform(gen, h / 8, h / 3)))
+        bw = max(1, int(uniform(gen, w / 8, w / 3)))
         i = int(torch.randint(h - bh + 1, (), generator=gen))
         j = int(torch.randint(w - bw + 1, (), generator=gen))
         miss[i : i + bh, j : j + bw] = True
@@ -126,11 +127,11 @@ def stroke_mask(shape: tuple[int, int], gen: torch.Generator, strokes: int = 3) 
     jj = torch.arange(w, dtype=torch.float32)[None, :]
     miss = torch.zeros(shape, dtype=torch.bool)
     for _ in range(strokes):
-        radius = _uniform(gen, 1.0, max(1.5, min(h, w) / 16))
-        y, x = _uniform(gen, 0, h - 1), _uniform(gen, 0, w - 1)
+        radius = uniform(gen, 1.0, max(1.5, min(h, w) / 16))
+        y, x = uniform(gen, 0, h - 1), uniform(gen, 0, w - 1)
         for _ in range(int(torch.randint(2, 6, (), generator=gen))):
-            angle = _uniform(gen, 0, 2 * torch.pi)
-            length = _uniform(gen, min(h, w) / 8, min(h, w) / 3)
+            angle = uniform(gen, 0, 2 * torch.pi)
+            length = uniform(gen, min(h, w) / 8, min(h, w) / 3)
             y2 = min(max(y + length * torch.sin(torch.tensor(angle)).item(), 0.0), h - 1.0)
             x2 = min(max(x + length * torch.cos(torch.tensor(angle)).item(), 0.0), w - 1.0)
             # distance from every pixel to the segment (y, x)–(y2, x2)
@@ -144,7 +145,7 @@ def stroke_mask(shape: tuple[int, int], gen: torch.Generator, strokes: int = 3) 
 def make_mask(kind: MaskKind, shape: tuple[int, int], fraction: tuple[float, float], gen) -> torch.Tensor:
     """A mask of ``kind``; ``fraction`` is the range of the missing probability for ``pixels``."""
     if kind == "pixels":
-        return pixel_mask(shape, _uniform(gen, *fraction), gen)
+        return pixel_mask(shape, uniform(gen, *fraction), gen)
     if kind == "blocks":
         return block_mask(shape, gen)
     return stroke_mask(shape, gen)
@@ -159,56 +160,38 @@ def binary_target(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Corruption:
-    """How the training and validation inputs are made.
+    """A run's corruption settings (``TrainConfig``'s), which each task's ``corrupt`` hook reads
+    (``kdeq.tasks.base.Task.corrupt``; a task reads the fields it uses).
 
     Attributes:
-        task: ``denoise`` | ``inpaint`` | ``segment``.
-        sigma: noise-level range (0–255) for ``denoise`` and the additive noise of ``segment``.
+        sigma: noise-level range (0–255): the denoiser's noise, the segmenter's additive noise.
         clip: clip noisy images to [0, 1] (the paper's experiment does).
         mask_kinds: the inpainting mask kinds to draw from (uniformly).
         missing: range of the missing probability of ``pixels`` masks.
-        flip: range of the fraction of flipped labels for ``segment``.
+        flip: range of the fraction of flipped labels (segment).
     """
 
-    task: str
     sigma: tuple[float, float] = (0.0, 55.0)
     clip: bool = False
     mask_kinds: tuple[MaskKind, ...] = MASK_KINDS
     missing: tuple[float, float] = (0.2, 0.9)
     flip: tuple[float, float] = (0.0, 0.1)
 
-    def __call__(self, clean: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
-        """The example for one clean patch ``(c, H, W)``: ``target`` and the model's inputs
-        (``noisy`` and ``sigma`` (0–255), ``missing`` ``(1, H, W)`` bool, or ``noisy`` for segment)."""
-        if self.task == "denoise":
-            s = _uniform(gen, *self.sigma)
-            noisy = clean + (s / 255.0) * torch.randn(clean.shape, generator=gen)
-            if self.clip:
-                noisy = noisy.clamp(0, 1)
-            return {"target": clean, "noisy": noisy, "sigma": torch.tensor(s)}
-        if self.task == "inpaint":
-            kind = self.mask_kinds[int(torch.randint(len(self.mask_kinds), (), generator=gen))]
-            miss = make_mask(kind, tuple(clean.shape[-2:]), self.missing, gen)
-            # a patch with nothing observed carries no information; keep one pixel
-            miss.view(-1)[int(torch.randint(miss.numel(), (), generator=gen))] = False
-            return {"target": clean, "image": clean, "missing": miss[None]}
-        target = binary_target(clean)
-        flipped = torch.rand(target.shape, generator=gen) < _uniform(gen, *self.flip)
-        s = _uniform(gen, *self.sigma)
-        noisy = torch.where(flipped, 1.0 - target, target) + (s / 255.0) * torch.randn(
-            target.shape, generator=gen
-        )
-        return {"target": target, "noisy": noisy}
-
 
 class PatchDataset(Dataset):
-    """``length`` random patches per epoch from ``images``, corrupted by ``corruption``;
+    """``length`` random patches per epoch from ``images``, corrupted by ``task`` within ``corruption``;
     sample ``i`` of epoch ``e`` depends only on ``(seed, e, i)`` (call ``set_epoch``)."""
 
     def __init__(
-        self, images: Sequence[torch.Tensor], size: int, corruption: Corruption, length: int, seed: int
+        self,
+        images: Sequence[torch.Tensor],
+        size: int,
+        task: Task,
+        corruption: Corruption,
+        length: int,
+        seed: int,
     ) -> None:
-        self.images, self.size, self.corruption = list(images), size, corruption
+        self.images, self.size, self.task, self.corruption = list(images), size, task, corruption
         self.length, self.seed, self.epoch = length, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -220,30 +203,24 @@ class PatchDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         gen = sample_generator(self.seed, self.epoch, index)
         image = self.images[int(torch.randint(len(self.images), (), generator=gen))]
-        return self.corruption(random_patch(image, self.size, gen), gen)
+        return self.task.corrupt(random_patch(image, self.size, gen), gen, self.corruption)
 
 
 def validation_set(
-    images: Sequence[torch.Tensor], corruption: Corruption, levels: Sequence[float], seed: int
+    images: Sequence[torch.Tensor],
+    task: Task,
+    corruption: Corruption,
+    levels: Sequence[float],
+    seed: int,
 ) -> list[dict[str, torch.Tensor]]:
-    """Fixed validation examples: every image at every level (a noise σ for denoise, a mask kind for
-    inpaint: ``levels`` index ``corruption.mask_kinds`` and the missing fraction is the middle of its
-    range; for segment the flip fraction, with the middle of the noise range), seeded by position so
-    every epoch (and every run with the same seed) sees the same inputs."""
+    """Fixed validation examples: every image at every level (``task.corrupt`` at ``level``, e.g. a
+    noise σ for denoise), plus the ``level`` itself, seeded by position so every epoch (and every
+    run with the same seed) sees the same inputs."""
     out = []
     for i, image in enumerate(images):
         for j, level in enumerate(levels):
             gen = sample_generator(seed, -1, i * len(levels) + j)
-            if corruption.task == "denoise":
-                case = Corruption("denoise", sigma=(level, level), clip=corruption.clip)
-            elif corruption.task == "inpaint":
-                kind = corruption.mask_kinds[int(level)]
-                mid = sum(corruption.missing) / 2
-                case = Corruption("inpaint", mask_kinds=(kind,), missing=(mid, mid))
-            else:
-                mid = sum(corruption.sigma) / 2
-                case = Corruption("segment", sigma=(mid, mid), flip=(level, level))
-            example = case(image, gen)
+            example = task.corrupt(image, gen, corruption, level)
             example["level"] = torch.tensor(float(level))
             out.append(example)
     return out

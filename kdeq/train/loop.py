@@ -1,7 +1,7 @@
 """The training loop: Adam on the constrained model, rollback on trouble, per-epoch checkpoints, resume, DDP.
 
-One step: the batch's forward solve (``train_tol``/``train_max_iter``), the loss
-(``loss_fn``: per-sample log MSE or MSE for Gaussian tasks, cross-entropy for segmentation),
+One step: the batch's forward solve (``train_tol``/``train_max_iter``), the task's loss
+(``Task.loss``: per-sample log MSE or MSE for Gaussian tasks, cross-entropy for segmentation),
 implicit (or Jacobian-free) gradients, gradient clipping, an Adam step at the
 scheduled rate, and ``project_``, which shortens a step that would make the equilibrium kernel
 indefinite.
@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -50,9 +49,9 @@ from torch.utils.data import DataLoader
 from kdeq.checkpoint import Provenance, save_checkpoint
 from kdeq.precision import ieee_float32
 from kdeq.predictor import SolverOverride, resolve_device
+from kdeq.tasks import TASKS, Task
 from kdeq.train.config import TrainConfig
 from kdeq.train.data import (
-    Corruption,
     PatchDataset,
     check_patch_size,
     image_files,
@@ -82,45 +81,6 @@ class History:
     epochs: list[dict[str, float]] = field(default_factory=list)
 
 
-def psnr(out: torch.Tensor, target: torch.Tensor, region: torch.Tensor | None = None) -> torch.Tensor:
-    """PSNR (dB) per sample ``(B,)`` of ``out`` clipped to [0, 1], over ``region`` ``(B, 1, H, W)`` or all."""
-    err = (out.clamp(0, 1) - target).square()
-    if region is None:
-        mse = err.flatten(1).mean(1)
-    else:
-        w = region.expand_as(err).to(err.dtype)
-        mse = (err * w).flatten(1).sum(1) / w.flatten(1).sum(1).clamp(min=1)
-    return 10 * torch.log10(1.0 / mse.clamp(min=1e-12))
-
-
-def iou(prob: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Intersection over union per sample ``(B,)`` of ``prob > 1/2`` and ``target > 1/2``."""
-    a, b = (prob > 0.5).flatten(1), (target > 0.5).flatten(1)
-    union = (a | b).sum(1)
-    return torch.where(union > 0, (a & b).sum(1) / union.clamp(min=1), 1.0)
-
-
-def loss_fn(task: str, kind: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Binary cross-entropy of the probability (segment); for the Gaussian tasks the mean squared
-    error (``mse``) or the mean over samples of ``ln MSE_b`` (``log_mse``: −PSNR up to a factor, so
-    every sample counts alike, whatever its noise level or missing fraction)."""
-    if task == "segment":
-        return F.binary_cross_entropy(out.clamp(1e-6, 1 - 1e-6), target)
-    err = (out - target).square()
-    if kind == "mse":
-        return err.mean()
-    return torch.log(err.flatten(1).mean(1) + 1e-10).mean()
-
-
-def quality(task: str, out: torch.Tensor, ex: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The task's score per sample: PSNR (denoise), PSNR on the missing pixels (inpaint), IoU (segment)."""
-    if task == "denoise":
-        return psnr(out, ex["target"])
-    if task == "inpaint":
-        return psnr(out, ex["target"], ex["missing"])
-    return iou(out, ex["target"])
-
-
 @dataclass
 class EpochTotals:
     """Sums over an epoch's applied steps, per sample; ``mean`` of any of them."""
@@ -134,7 +94,7 @@ class EpochTotals:
 
     def add(
         self,
-        task: str,
+        task: Task,
         loss: torch.Tensor,
         out: torch.Tensor,
         batch: dict,
@@ -143,7 +103,7 @@ class EpochTotals:
     ):
         n = out.shape[0]
         self.loss += loss.item() * n
-        self.score += quality(task, out.detach(), batch).sum().item()
+        self.score += task.score(out.detach(), batch).sum().item()
         self.iterations += its.float().sum().item()
         self.converged += conv.float().sum().item()
         self.n += n
@@ -281,8 +241,9 @@ def _load_state(directory: Path, model: TrainableModel, opt: torch.optim.Adam, f
 def evaluate(
     model: TrainableModel, examples: list[dict[str, torch.Tensor]], cfg: TrainConfig, device: torch.device
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
-    """Validation metrics (mean loss, score, score per level, iterations, converged fraction) and the
-    outputs ``(c, H, W)`` of the examples, one image at a time."""
+    """Validation metrics (mean loss, the task's score overall and per level, iterations, converged
+    fraction) and the outputs ``(c, H, W)`` of the examples, one image at a time."""
+    task = TASKS[cfg.task]
     override = SolverOverride(tol=cfg.eval_tol, max_iter=cfg.eval_max_iter)
     scores: dict[float, list[float]] = {}
     losses, iters, conv, outputs = [], [], [], []
@@ -290,12 +251,12 @@ def evaluate(
         for ex in examples:
             batch = {k: v[None].to(device) for k, v in ex.items() if k != "level"}
             pred = model.run(batch, override)
-            losses.append(loss_fn(cfg.task, cfg.loss, pred.output, batch["target"]).item())
-            scores.setdefault(float(ex["level"]), []).append(quality(cfg.task, pred.output, batch).item())
+            losses.append(task.loss(pred.output, batch["target"], cfg.loss).item())
+            scores.setdefault(float(ex["level"]), []).append(task.score(pred.output, batch).item())
             iters.append(pred.stats.iterations.float().mean().item())
             conv.append(pred.stats.converged.float().mean().item())
             outputs.append(pred.output[0].cpu())
-    score = "iou" if cfg.task == "segment" else "psnr"
+    score = task.score_name
     metrics = {
         "val_loss": sum(losses) / len(losses),
         f"val_{score}": sum(sum(v) for v in scores.values()) / sum(len(v) for v in scores.values()),
@@ -366,13 +327,13 @@ def _train(
     else:
         hist = History()
 
-    corruption = Corruption(cfg.task, cfg.sigma, cfg.clip_noise, cfg.mask_kinds, cfg.missing, (0.0, cfg.flip))
+    task, corruption = TASKS[cfg.task], cfg.corruption()
     train_files = image_files(cfg.train)
     train_images = load_images(train_files, cfg.channels)
     check_patch_size(train_files, train_images, cfg.patch_size)
-    dataset = PatchDataset(train_images, cfg.patch_size, corruption, cfg.samples_per_epoch, cfg.seed)
+    dataset = PatchDataset(train_images, cfg.patch_size, task, corruption, cfg.samples_per_epoch, cfg.seed)
     val_images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
-    val_set = validation_set(val_images[: cfg.val_limit], corruption, cfg.levels(), cfg.seed)
+    val_set = validation_set(val_images[: cfg.val_limit], task, corruption, cfg.levels(), cfg.seed)
     per_step = cfg.batch_size * rank.world
     steps_per_epoch = math.ceil(cfg.samples_per_epoch / per_step)
     total = steps_per_epoch * cfg.epochs
@@ -384,7 +345,7 @@ def _train(
         return lr_at(cfg, step, split) if step < split else lr_at(cfg, step - split, total - split)
 
     train_override = SolverOverride(tol=cfg.train_tol, max_iter=cfg.train_max_iter)
-    score = "iou" if cfg.task == "segment" else "psnr"
+    score = task.score_name
     start_outputs: list[torch.Tensor] = []
     started = time.perf_counter()
 
@@ -427,9 +388,9 @@ def _train(
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
                 out, iterations, converged, pilot = net(batch, train_override, pilot_only)
-                loss = loss_fn(cfg.task, cfg.loss, out, batch["target"])
+                loss = task.loss(out, batch["target"], cfg.loss)
                 if pilot is not None and cfg.pilot_loss > 0:
-                    loss = loss + cfg.pilot_loss * loss_fn(cfg.task, cfg.loss, pilot, batch["target"])
+                    loss = loss + cfg.pilot_loss * task.loss(pilot, batch["target"], cfg.loss)
                 opt.zero_grad(set_to_none=False)
                 # the backward's convolutions run outside the forward's IEEE section (kdeq.precision)
                 with ieee_float32():
@@ -464,7 +425,7 @@ def _train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
             opt.step()
             model.project_()
-            sums.add(cfg.task, loss, out, batch, iterations, converged)
+            sums.add(task, loss, out, batch, iterations, converged)
             if bar is not None:
                 bar.set_postfix(
                     loss=f"{sums.mean('loss'):.3g}",
@@ -495,7 +456,7 @@ def _train(
                 hist.best_epoch = epoch
                 _write_checkpoint(cfg, model, hist, train_files)
             _save_state(state_dir, model, opt, hist, fp)
-            write_report(report_dir, cfg, hist, val_set, start_outputs, outputs, score)
+            write_report(report_dir, cfg, hist, val_set, start_outputs, outputs)
             if bar is not None:
                 note = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if "@" not in k)
                 bar.write(f"epoch {epoch}: {note}")

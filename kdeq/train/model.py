@@ -39,20 +39,20 @@ import torch
 from torch import nn
 
 from kdeq.checkpoint import (
-    FAMILY_OF_TASK,
     FORMAT_VERSION,
     Checkpoint,
     ConvArchitecture,
     ModelConfig,
     ModelSpec,
     NoiseLambda,
+    task_family,
 )
 from kdeq.implicit import Backward
 from kdeq.initialize import init_tensors
 from kdeq.kernels import symbol_min_eigenvalue
 from kdeq.predictor import Prediction, SolverOverride
-from kdeq.repository import PREDICTORS
 from kdeq.spectral import circular_spectral_norm
+from kdeq.tasks import TASKS
 
 #: the eigenvalue floor ``project_`` leaves, relative to ``Σ|C|`` (above the checkpoint check's −1e-6)
 PSD_MARGIN = 1e-6
@@ -112,7 +112,8 @@ def random_tensors(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
 class TrainableModel(nn.Module):
     """``spec``'s predictor with ``tensors`` as parameters; see the module docstring.
 
-    ``forward(inputs)`` takes a batch from ``kdeq.train.data`` and returns the
+    ``forward(inputs)`` takes a batch of the task's examples (``Task.corrupt``, collated; the
+    predictor's arguments are ``Task.predictor_inputs``) and returns the
     prediction's ``(output, iterations, converged, pilot)`` (shapes ``(B, c, H, W)``, ``(B,)``,
     ``(B,)``, and ``(B, c, H, W)`` or ``None`` without a guide network).
     """
@@ -151,11 +152,12 @@ class TrainableModel(nn.Module):
         config = ModelConfig(
             **spec.model_dump(),
             format_version=FORMAT_VERSION,
-            family=FAMILY_OF_TASK[spec.task],
+            family=task_family(spec.task),
             weights_sha256="0" * 64,  # in memory only; save_checkpoint computes the real one
         )
         frozen = {k: v.detach().cpu() for k, v in tensors.items()}
-        self.predictor = PREDICTORS[spec.task](Checkpoint(config, frozen, Path("<training>")), device)
+        self.task = TASKS[spec.task]
+        self.predictor = self.task.predictor(Checkpoint(config, frozen, Path("<training>")), device)
         self.predictor.backward = backward
         #: steps ``project_`` shortened to stay PSD (reported by the trainer)
         self.truncated_steps = 0
@@ -216,7 +218,7 @@ class TrainableModel(nn.Module):
     def pilot(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         """The network's pilot alone as ``forward``'s output (no solve: 0 iterations, converged)."""
         self._bind()
-        out = self.predictor.pilot_only(*self._inputs(inputs))
+        out = self.predictor.pilot_only(*self.task.predictor_inputs(inputs))
         n = out.shape[0]
         return (
             out,
@@ -228,16 +230,7 @@ class TrainableModel(nn.Module):
     def run(self, inputs: dict[str, torch.Tensor], solver: SolverOverride | None = None) -> Prediction:
         """The predictor's ``forward`` on one batch (``predict`` semantics when autograd is off)."""
         self._bind()
-        return self.predictor.forward(*self._inputs(inputs), solver=solver)
-
-    def _inputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The task predictor's leading arguments from a batch: ``(noisy, sigma)`` (denoise),
-        ``(image, missing)`` (inpaint) or ``(noisy,)`` (segment)."""
-        if self.spec.task == "denoise":
-            return inputs["noisy"], inputs["sigma"]
-        if self.spec.task == "inpaint":
-            return inputs["image"], inputs["missing"]
-        return (inputs["noisy"],)
+        return self.predictor.forward(*self.task.predictor_inputs(inputs), solver=solver)
 
     @torch.no_grad()
     def project_(self) -> None:

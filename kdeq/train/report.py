@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from kdeq.tasks import TASKS, Task
 from kdeq.train.config import TrainConfig
 
 
@@ -48,12 +49,14 @@ def _show(x: torch.Tensor):
 
 def image_grid(
     path: Path,
+    task: Task,
     examples: list[dict[str, torch.Tensor]],
     before: list[torch.Tensor],
     after: list[torch.Tensor],
     rows: int = 4,
 ) -> None:
-    """Rows of (input, start's output, trained output, target) for the first ``rows`` examples."""
+    """Rows of (input as ``task`` shows it, start's output, trained output, target) for the first
+    ``rows`` of ``task``'s examples."""
     plt = _pyplot()
     n = min(rows, len(examples), len(before), len(after))
     if n == 0:
@@ -61,12 +64,13 @@ def image_grid(
     fig, axes = plt.subplots(n, 4, figsize=(10, 2.6 * n), dpi=100, squeeze=False)
     for r in range(n):
         ex = examples[r]
-        if "missing" in ex:
-            shown = torch.where(ex["missing"], torch.zeros_like(ex["image"]), ex["image"])
-        else:
-            shown = ex["noisy"]
         for c, (img, label) in enumerate(
-            ((shown, "input"), (before[r], "start"), (after[r], "trained"), (ex["target"], "target"))
+            (
+                (task.shown_input(ex), "input"),
+                (before[r], "start"),
+                (after[r], "trained"),
+                (ex["target"], "target"),
+            )
         ):
             ax = axes[r][c]
             ax.imshow(_show(img), cmap="gray", vmin=0, vmax=1, interpolation="nearest")
@@ -85,10 +89,11 @@ def write_report(
     val_set: list[dict[str, torch.Tensor]],
     before: list[torch.Tensor],
     after: list[torch.Tensor],
-    score: str,
 ) -> None:
-    """``metrics.json`` (settings and every epoch's metrics) and ``loss.png``, ``val_<score>.png``,
-    ``iterations.png``, ``grid.png`` in ``directory``."""
+    """``metrics.json`` (settings and every epoch's metrics) and ``loss.png``, ``val_<score>.png`` (the
+    task's score), ``iterations.png``, ``grid.png`` in ``directory``."""
+    task = TASKS[cfg.task]
+    score, name = task.score_name, task.score_label
     directory.mkdir(parents=True, exist_ok=True)
     epochs = hist.epochs
     doc = {
@@ -98,7 +103,6 @@ def write_report(
         "epochs": epochs,
     }
     (directory / "metrics.json").write_text(json.dumps(doc, indent=1) + "\n")
-    name = "PSNR (dB)" if score == "psnr" else "IoU"
     _curve(
         directory / "loss.png", epochs, [("train_loss", "train"), ("val_loss", "validation")], "loss", "Loss"
     )
@@ -116,4 +120,4 @@ def write_report(
         "mean solver iterations",
         "Forward solver iterations",
     )
-    image_grid(directory / "grid.png", val_set, before, after)
+    image_grid(directory / "grid.png", task, val_set, before, after)

@@ -1,0 +1,300 @@
+"""What a task is: a kind of request, from its options to its outputs, independent of HTTP.
+
+A ``Task`` owns everything that differs between the kinds of request a model
+answers (denoise, inpaint, …): its name and family, its predictor, its strict
+options model and extra image inputs, the rules its checkpoints obey, how a
+batch of its requests is solved in one ``predict`` call, the fields its results
+carry, the warm-up request that exercises it, and how its models train (the
+corruption that makes examples from clean images, the predictor's arguments from a batch of
+them, the loss, the validation score and levels). The service's routes, the command line, the
+trainer and the generated docs are built from these declarations (``kdeq.tasks.TASKS``);
+nothing else branches on a task's name.
+
+A ``Request`` holds ``(c, H, W)`` float32 numpy images in [0, 1], so that a
+caller that is not torch-aware (the service's decoder threads) can build it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from kdeq.predictor import Prediction, Predictor, SolverOverride, pad_images
+from kdeq.train.objectives import SquaredError, psnr, squared_error
+
+if TYPE_CHECKING:
+    from kdeq.checkpoint import ModelSpec
+    from kdeq.train.data import Corruption
+
+#: the hooks a task defines for ``kdeq train`` to train its models (the loss and score have defaults)
+TRAINING_HOOKS = ("corrupt", "predictor_inputs", "val_levels", "check_level")
+
+
+class InputError(ValueError):
+    """A request its task refuses: ``code`` names the error for a client, ``absent`` says that a
+    required input is missing altogether (rather than present and invalid)."""
+
+    def __init__(self, code: str, detail: str, absent: bool = False) -> None:
+        super().__init__(detail)
+        self.code, self.detail, self.absent = code, detail, absent
+
+
+class Options(BaseModel):
+    """Base of the tasks' option models: scalar request options, frozen, unknown keys refused.
+    Each field's ``description`` is its help in the API, the command line and the docs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+#: the option ``sigma`` of the tasks whose noise level is given or estimated
+NoiseLevel = Annotated[
+    float | None,
+    Field(
+        ge=0, le=255, allow_inf_nan=False, description="noise level on the 0–255 scale (default: estimated)"
+    ),
+]
+
+
+@dataclass(frozen=True)
+class FileInput:
+    """An image input besides the main ``image``.
+
+    Attributes:
+        name: the form field (HTTP) and ``--name`` option (command line), ``_`` written ``-`` there.
+        description: its help.
+        kind: ``mask``: the image's size, read as True where any channel is non-zero;
+            ``image``: any image within the pixel limit, read as ``(c, h, w)`` float32 in [0, 1]
+            (its task's ``prepare`` checks the rest).
+    """
+
+    name: str
+    description: str
+    kind: Literal["mask", "image"]
+
+
+@dataclass(frozen=True)
+class ResultField:
+    """A per-request value a task reports: JSON field ``name``, header ``X-KDEQ-<Name>``."""
+
+    name: str
+    description: str
+    format: str = ".4g"
+
+    @property
+    def header(self) -> str:
+        return "X-KDEQ-" + "-".join(part.capitalize() for part in self.name.split("_"))
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request to a task.
+
+    Attributes:
+        image: ``(c, H, W)`` float32 in [0, 1].
+        options: the task's ``Options``.
+        inputs: the task's other inputs, as its ``prepare`` made them (e.g. the inpainter's
+            ``missing`` ``(1, H, W)`` bool, the deblurrer's PSF ``(k, k)``).
+        solver: per-request solver limits.
+    """
+
+    image: np.ndarray
+    options: Options
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+    solver: SolverOverride | None = None
+
+
+@dataclass(frozen=True)
+class Solved:
+    """One request's result.
+
+    Attributes:
+        output: ``(c, H', W')`` float32 array: the restored image (``H' × W'`` the task's output size),
+            or a segmenter's mask / probability ``(1, H, W)``.
+        iterations, residual, converged: the solver's statistics for this image.
+        lam: ``λ`` used.
+        fields: the task's ``ResultField`` values (``None`` where not applicable).
+        finite: whether the model's continuous output (``Prediction.output``) is finite everywhere.
+    """
+
+    output: np.ndarray
+    iterations: int
+    residual: float
+    converged: bool
+    lam: float
+    fields: Mapping[str, float | None]
+    finite: bool
+
+
+class Task:
+    """A kind of request; subclasses declare the class attributes and override the hooks.
+
+    Attributes:
+        name: the task's name (a checkpoint's ``task``, the route ``/name``, the subcommand).
+        family: the exponential family of its models (``kdeq.families``).
+        summary: one line saying what it does.
+        predictor: the ``Predictor`` subclass its checkpoints load as.
+        options: its ``Options`` model.
+        files: its other image inputs.
+        fields: the values its results report besides the solver's statistics and ``λ``.
+        grey_output: whether the output is one grey channel whatever the input.
+        score_name, score_label: the validation score's name in the trainer's metrics
+            (``val_<score_name>``) and its axis label in the report; higher is better.
+    """
+
+    name: ClassVar[str]
+    family: ClassVar[str] = "gaussian"
+    summary: ClassVar[str]
+    predictor: ClassVar[type[Predictor]]
+    options: ClassVar[type[Options]] = Options
+    files: ClassVar[tuple[FileInput, ...]] = ()
+    fields: ClassVar[tuple[ResultField, ...]] = ()
+    grey_output: ClassVar[bool] = False
+    score_name: ClassVar[str] = "psnr"
+    score_label: ClassVar[str] = "PSNR (dB)"
+
+    @property
+    def route(self) -> str:
+        return "/" + self.name
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Raise ``ValueError`` where ``spec`` is not a model this task can run (its family is
+        checked by ``kdeq.checkpoint``)."""
+        if spec.architecture.kind == "guided":
+            raise ValueError(f"the guided (adaptive) architecture is not for the {self.name} task")
+        if spec.architecture.net is not None:
+            raise ValueError(f"the {self.name} task has no network")
+        if spec.lam.rule == "noise":
+            raise ValueError(f"the noise λ rule needs a noise level, which the {self.name} task has not")
+
+    def prepare(
+        self,
+        image: np.ndarray,
+        alpha: np.ndarray | None,
+        options: Options,
+        files: Mapping[str, np.ndarray],
+        solver: SolverOverride | None = None,
+    ) -> Request:
+        """The request for ``image`` ``(c, H, W)`` with its alpha ``(H, W)`` or ``None``, ``options``
+        and the decoded ``files`` that were given; ``InputError`` for one this task refuses."""
+        return Request(image, options, {}, solver)
+
+    def output_size(self, request: Request) -> tuple[int, int]:
+        """``(H', W')`` of ``request``'s output (the pixel limit applies to it)."""
+        return tuple(request.image.shape[-2:])
+
+    def output_alpha(
+        self, request: Request, alpha: np.ndarray | None, files: Sequence[str]
+    ) -> np.ndarray | None:
+        """The alpha ``(H', W')`` the output keeps, from the input's; ``files`` the file inputs given."""
+        return alpha
+
+    def batch_key(self, request: Request) -> Hashable:
+        """Requests whose keys are equal (with equal models and sizes) are solved together."""
+        return (request.options, request.solver)
+
+    def run(
+        self,
+        predictor: Predictor,
+        images: torch.Tensor,
+        requests: Sequence[Request],
+        sizes: list[tuple[int, int]] | None,
+    ) -> Prediction:
+        """``predictor``'s prediction for the batch ``images`` ``(B, c, H, W)`` of ``requests`` (padded
+        to a common size when ``sizes`` is given, ``kdeq.predictor``)."""
+        raise NotImplementedError
+
+    def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
+        """Sample ``index``'s output ``(c, H', W')`` and ``fields`` values from the batch's
+        ``prediction``."""
+        return prediction.output[index], {}
+
+    def warmup(self, size: int) -> Request:
+        """A generated ``size``×``size`` request that exercises the whole solve."""
+        rng = np.random.default_rng(0)
+        return Request(rng.random((1, size, size), dtype=np.float32), self.options())
+
+    # --- training (kdeq.train) ---------------------------------------------------------------------
+
+    @property
+    def missing_training_hooks(self) -> tuple[str, ...]:
+        """The ``TRAINING_HOOKS`` this task does not define; while any is missing, ``kdeq train``
+        refuses the task."""
+        return tuple(h for h in TRAINING_HOOKS if getattr(type(self), h) is getattr(Task, h))
+
+    def corrupt(
+        self, clean: torch.Tensor, gen: torch.Generator, settings: Corruption, level: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """One example from the clean patch ``clean`` ``(c, H, W)`` in [0, 1]: ``target`` and the
+        predictor's inputs (``predictor_inputs`` reads them, collated), drawn from ``gen`` within the
+        run's ``settings``, or at the validation ``level`` (``val_levels``) when given.
+
+        A run's samples, and so its resumption, are these draws in this order: a change to either
+        makes runs that were saved resume differently."""
+        raise NotImplementedError(f"the {self.name} task has no training corruption")
+
+    def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The predictor's leading arguments (of ``forward`` and ``pilot_only``) from a batch of
+        ``corrupt``'s examples, each entry collated to ``(B, …)``."""
+        raise NotImplementedError(f"the {self.name} task has no training inputs")
+
+    def loss(self, out: torch.Tensor, target: torch.Tensor, kind: SquaredError) -> torch.Tensor:
+        """The training loss, a scalar, of the output ``out`` ``(B, c, H, W)`` against ``target``; this
+        default (the Gaussian tasks') is the run's squared error ``kind``
+        (``kdeq.train.objectives.squared_error``)."""
+        return squared_error(out, target, kind)
+
+    def score(self, out: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The score ``score_name`` per sample ``(B,)`` of the output ``out`` ``(B, c, H, W)`` on
+        ``batch``; this default is the PSNR of ``out`` clipped to [0, 1] against ``target``."""
+        return psnr(out, batch["target"])
+
+    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
+        """The validation levels (``corrupt``'s ``level``) of a run that names none."""
+        raise NotImplementedError(f"the {self.name} task has no validation levels")
+
+    def check_level(self, level: float, settings: Corruption) -> None:
+        """``ValueError``, saying what a level is for this task, where ``level`` is not one."""
+        raise NotImplementedError(f"the {self.name} task has no validation levels")
+
+    def shown_input(self, example: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The input ``(c, H, W)`` the training report shows for one of ``corrupt``'s examples: by
+        default the predictor's first argument."""
+        return self.predictor_inputs({k: v[None] for k, v in example.items()})[0][0]
+
+
+def solve_batch(task: Task, predictor: Predictor, requests: Sequence[Request]) -> list[Solved]:
+    """Solve compatible ``requests`` (equal ``batch_key``) in one ``predict`` call; images of different
+    sizes are padded to a common one (``kdeq.predictor.pad_images``) and each output cropped back."""
+    uniform = len({r.image.shape for r in requests}) == 1
+    images, sizes = pad_images([torch.from_numpy(r.image) for r in requests])
+    prediction = task.run(predictor, images, requests, None if uniform else sizes)
+    stats = prediction.stats
+    iterations, residual, converged = (
+        stats.iterations.tolist(),
+        stats.residual.tolist(),
+        stats.converged.tolist(),
+    )
+    lam = prediction.lam.reshape(-1).expand(len(requests)).tolist()
+    solved = []
+    for b, request in enumerate(requests):
+        out, values = task.result(prediction, b, request)
+        h, w = task.output_size(request)
+        out = out[:, :h, :w].float().cpu().numpy()
+        finite = bool(torch.isfinite(prediction.output[b, :, :h, :w]).all())
+        solved.append(
+            Solved(
+                out,
+                int(iterations[b]),
+                float(residual[b]),
+                bool(converged[b]),
+                lam[b],
+                {f.name: values.get(f.name) for f in task.fields},
+                finite,
+            )
+        )
+    return solved

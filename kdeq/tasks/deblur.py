@@ -1,0 +1,197 @@
+"""``deblur``: undo a known blur, ``y = h * f + ε``, as the kGLM-DEQ observed through ``A = H``.
+
+The deblurrer is kernel ridge regression through the blur (DESIGN §2 fact 8): with the prior mean
+``m`` (the image's global mean) and ``λ = λ(σ)`` from the noise level (given or estimated),
+
+    f = m + K Hᵀ (H K Hᵀ + λI)⁻¹ (y − H m),
+
+the posterior mean of a Gaussian process ``f ~ GP(m, K/s²…)`` seen through the blur. ``H`` is the
+convolution with the PSF under the model's border rule (``kdeq.operators.Blur``). With a
+``symmetric`` border, a PSF even in each axis (Gaussian, disk, horizontal or vertical motion) and
+a symmetric-border kernel, ``H K Hᵀ`` is diagonal in the DCT-II and the solve is one transform
+(``kdeq.operators.Sandwich``); any other PSF takes CG.
+
+With the adaptive kernel (a ``guided`` architecture, DESIGN §2.5) the same regression is solved
+twice: first with a flat guide, where the normalised kernel is the stationary ``k_s/Σk_s`` (the
+*pilot* ``p``, a symmetric border: one transform for an even PSF), then with
+``K̃ = D^{-1/2} K D^{-1/2}`` for ``k(x, x') = k_s(x − x')·exp(−‖g(x) − g(x')‖²/2h²)`` on patches
+of the smoothed pilot ``g``, ``h²`` from the pilot's own estimated noise (the deconvolution
+amplifies the observations'), and ``K̃``'s local average ``D⁻¹K p`` as the mean (CG, a handful of
+iterations). The kernel follows the image's edges, so the second solve sharpens them without
+ringing across them. The statistics are the second solve's, with both solves' iterations.
+
+The PSF is named (``gaussian:SIGMA``, ``disk:RADIUS``, ``motion:LENGTH[,ANGLE_DEGREES]``,
+``kdeq.psf.parse_psf``) or uploaded as an image (odd sides, at most ``kdeq.psf.MAX_PSF_SIDE``,
+normalised to sum 1; a colour PSF image is read as its mean over channels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable, Mapping, Sequence
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from kdeq.adaptive import GuidedMap, GuidedOperator, weight_budget
+from kdeq.checkpoint import Checkpoint, GuidedArchitecture, ModelSpec
+from kdeq.filters import separable_blur
+from kdeq.noise import estimate_sigma
+from kdeq.operators import Blur, KernelMap, solve_observed
+from kdeq.predictor import Prediction, Predictor, SolverOverride
+from kdeq.psf import MAX_PSF_SIDE, check_psf, parse_psf
+from kdeq.solvers import SolverStats
+from kdeq.tasks import register_task
+from kdeq.tasks.base import FileInput, InputError, NoiseLevel, Options, Request, ResultField, Task
+
+
+class Deblurrer(Predictor):
+    """Gaussian kGLM deblurrer; see the module docstring."""
+
+    task = "deblur"
+
+    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
+        super().__init__(checkpoint, device)
+        #: bytes the guided kernel's weight maps may take before they are recomputed per use
+        self.weight_budget = weight_budget(self.device)
+
+    def forward(
+        self,
+        images: torch.Tensor,
+        psf: torch.Tensor,
+        sigma: float | Sequence[float] | torch.Tensor | None = None,
+        solver: SolverOverride | None = None,
+    ) -> Prediction:
+        """Deblur ``images`` ``(B, c, H, W)`` blurred by ``psf`` ``(k, k)`` (odd sides, normalised to
+        sum 1 here); ``sigma`` the noise level on the 0–255 scale, scalar or ``(B,)``, estimated per
+        image when ``None``. ``output`` is ``f`` ``(B, c, H, W)``."""
+        x = self.images(images)
+        h = check_psf(psf.detach().cpu() if isinstance(psf, torch.Tensor) else psf).to(self.device)
+        s = self.noise_level(x, sigma)
+        lam = self.lam(s)
+        cfg = self.solver(solver)
+        blur = Blur(h, "symmetric" if self.guided else self.config.architecture.padding)
+        if not self.guided:
+            kernel = KernelMap(self.tensors["w1"], torch.ones_like(lam), self.config.architecture.padding)
+            f, stats = solve_observed(blur, kernel, x, lam, self.mean(x), cfg)
+            return Prediction(f, stats, lam, sigma=s * 255.0)
+        # the pilot: the same model with a flat guide, whose normalised kernel is k_s/Σk_s
+        spatial = self.tensors["spatial"]
+        flat = KernelMap((spatial / spatial.sum())[None, None], torch.ones_like(lam), "symmetric")
+        pilot, first = solve_observed(
+            blur, flat, x, lam, x.mean(dim=(-2, -1), keepdim=True).expand_as(x), cfg
+        )
+        kern = self.config.architecture.kernel
+        guide = separable_blur(pilot, self.tensors["smoothing"])
+        # the pilot's own noise (the deconvolution amplifies the observations'), per image
+        h2 = kern.h2(x.shape[1], estimate_sigma(guide))
+        op = GuidedOperator(guide, spatial, kern.patch_radius, h2, kern.normalize, self.weight_budget)
+        mean = op.kernel(pilot) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
+        f, stats = solve_observed(blur, GuidedMap(op, torch.ones_like(lam)), x, lam, mean, cfg)
+        stats = SolverStats(
+            stats.iterations + first.iterations, stats.residual, stats.converged & first.converged
+        )
+        return Prediction(f, stats, lam, sigma=s * 255.0, pilot=pilot)
+
+    @property
+    def guided(self) -> bool:
+        """Whether the kernel is the adaptive one, guided by the stationary model's pilot."""
+        return isinstance(self.config.architecture, GuidedArchitecture)
+
+
+class DeblurOptions(Options):
+    psf: str | None = Field(
+        None,
+        max_length=64,
+        description="a named PSF: `gaussian:SIGMA`, `disk:RADIUS` or `motion:LENGTH[,ANGLE_DEGREES]` "
+        "(pixels; the angle counter-clockwise from horizontal); or upload `psf_image`",
+    )
+    sigma: NoiseLevel = None
+
+
+@register_task
+class Deblur(Task):
+    """Deblur `image`, blurred by a known PSF (named in `psf` or uploaded as `psf_image`), with a
+    Gaussian kGLM-DEQ observed through the blur; `sigma` is estimated per image when absent."""
+
+    name = "deblur"
+    summary = "Remove a known blur from an image"
+    predictor = Deblurrer
+    options = DeblurOptions
+    files = (
+        FileInput(
+            "psf_image",
+            f"the PSF as an image (odd sides, at most {MAX_PSF_SIDE} pixels; normalised to sum 1), "
+            "instead of `psf`",
+            "image",
+        ),
+    )
+    fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        arch = spec.architecture
+        if arch.net is not None:
+            raise ValueError("the deblurrer has no network")
+        if arch.kind == "guided":
+            if not arch.kernel.normalize or spec.mean != "local":
+                raise ValueError("the guided deblurrer's kernel is normalised, with its own local mean")
+            return
+        if arch.kernel.channels != 1:
+            raise ValueError("the deblurrer applies one kernel to every channel (channels = 1)")
+        if arch.padding not in ("zeros", "symmetric"):
+            raise ValueError("the deblurrer's border (padding) is zeros or symmetric")
+        if spec.mean not in ("none", "global"):
+            raise ValueError("the deblurrer's mean is none or global")
+
+    def prepare(
+        self,
+        image: np.ndarray,
+        alpha: np.ndarray | None,
+        options: DeblurOptions,
+        files: Mapping[str, np.ndarray],
+        solver: SolverOverride | None = None,
+    ) -> Request:
+        upload = files.get("psf_image")
+        if (options.psf is None) == (upload is None):
+            raise InputError(
+                "psf_required" if upload is None else "psf_twice",
+                "give the blur as one of `psf` (e.g. gaussian:1.6) and `psf_image`",
+                absent=upload is None,
+            )
+        try:
+            psf = parse_psf(options.psf) if upload is None else check_psf(upload.mean(axis=0))
+        except ValueError as err:
+            raise InputError("invalid_psf", str(err)) from None
+        return Request(image, options, {"psf": psf.numpy()}, solver)
+
+    def batch_key(self, request: Request) -> Hashable:
+        # one PSF per batch; given levels may differ within it (σ is per sample)
+        psf = request.inputs["psf"]
+        return (
+            psf.shape,
+            hashlib.sha1(psf.tobytes()).hexdigest(),
+            request.options.sigma is None,
+            request.solver,
+        )
+
+    def run(
+        self,
+        predictor: Deblurrer,
+        images: torch.Tensor,
+        requests: Sequence[Request],
+        sizes: list[tuple[int, int]] | None,
+    ) -> Prediction:
+        first = requests[0]
+        sigma = None if first.options.sigma is None else [r.options.sigma for r in requests]
+        return predictor.predict(
+            images, torch.from_numpy(first.inputs["psf"]), sigma=sigma, solver=first.solver
+        )
+
+    def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
+        return prediction.output[index], {"sigma": float(prediction.sigma[index])}
+
+    def warmup(self, size: int) -> Request:
+        rng = np.random.default_rng(0)
+        image = rng.random((1, size, size), dtype=np.float32)
+        return Request(image, self.options(psf="gaussian:1.6"), {"psf": parse_psf("gaussian:1.6").numpy()})

@@ -1,0 +1,78 @@
+"""``denoise``: remove Gaussian noise of a given or estimated level (``kdeq.denoise``)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+
+import torch
+
+from kdeq.checkpoint import ModelSpec
+from kdeq.denoise import Denoiser
+from kdeq.predictor import Prediction
+from kdeq.tasks import register_task
+from kdeq.tasks.base import NoiseLevel, Options, Request, ResultField, Task
+from kdeq.train.data import Corruption, uniform
+
+
+class DenoiseOptions(Options):
+    sigma: NoiseLevel = None
+
+
+@register_task
+class Denoise(Task):
+    """Denoise `image` with a Gaussian kGLM-DEQ; `sigma` is estimated per image when absent."""
+
+    name = "denoise"
+    summary = "Remove noise from an image"
+    predictor = Denoiser
+    options = DenoiseOptions
+    fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
+
+    def check_spec(self, spec: ModelSpec) -> None:
+        net = spec.architecture.net
+        if net is not None and spec.architecture.kind != "guided":
+            raise ValueError("the denoiser's network is the guided kernel's guide: use a guided architecture")
+        if net is not None and net.condition != "sigma":
+            raise ValueError("the guided denoiser's network is conditioned on the noise level ('sigma')")
+
+    def batch_key(self, request: Request) -> Hashable:
+        # given levels may differ within a batch (σ is per sample); estimated ones are estimated per image
+        return (request.options.sigma is None, request.solver)
+
+    def run(
+        self,
+        predictor: Denoiser,
+        images: torch.Tensor,
+        requests: Sequence[Request],
+        sizes: list[tuple[int, int]] | None,
+    ) -> Prediction:
+        first = requests[0]
+        sigma = None if first.options.sigma is None else [r.options.sigma for r in requests]
+        extra = {} if sizes is None else {"sizes": sizes}
+        return predictor.predict(images, sigma=sigma, solver=first.solver, **extra)
+
+    def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
+        return prediction.output[index], {"sigma": float(prediction.sigma[index])}
+
+    def corrupt(
+        self, clean: torch.Tensor, gen: torch.Generator, settings: Corruption, level: float | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``noisy = clean + σn``, ``n ~ N(0, I)``, with ``σ`` (0–255, also the example's ``sigma``) drawn
+        from ``settings.sigma`` or the validation ``level``; clipped to [0, 1] with ``settings.clip``."""
+        s = uniform(gen, *(settings.sigma if level is None else (level, level)))
+        noisy = clean + (s / 255.0) * torch.randn(clean.shape, generator=gen)
+        if settings.clip:
+            noisy = noisy.clamp(0, 1)
+        return {"target": clean, "noisy": noisy, "sigma": torch.tensor(s)}
+
+    def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(noisy, sigma)``: the images ``(B, c, H, W)`` and their noise levels ``(B,)``, given."""
+        return batch["noisy"], batch["sigma"]
+
+    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
+        """Noise levels σ 15, 25 and 50."""
+        return (15.0, 25.0, 50.0)
+
+    def check_level(self, level: float, settings: Corruption) -> None:
+        if not 0 <= level <= 255:
+            raise ValueError(f"val level {level:g}: a denoise level is a noise level σ in [0, 255]")

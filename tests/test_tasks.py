@@ -1,0 +1,142 @@
+"""The task registry: every route, subcommand, admitted and key-protected set derives from ``TASKS``,
+and every registered task answers through each of them."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from pydantic import ValidationError
+
+from kdeq.checkpoint import ModelSpec
+from kdeq.cli import main as kdeq_main
+from kdeq.initialize import DEFAULT_SPECS
+from kdeq.tasks import TASKS, Task, register_task
+from service.app import create_app
+from service.metrics import INFERENCE_ROUTES
+from service.middleware import PROTECTED_ROUTES
+from service.settings import Settings
+from tests.service_helpers import MODELS, encode, smooth_image, to_uint8
+
+KEY = "s3cret"
+
+
+def png_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def form_for(task: Task, h: int = 40, w: int = 48) -> dict[str, bytes]:
+    """A valid upload for ``task``: a smooth grey image and each of its file inputs."""
+    rng = np.random.default_rng(1)
+    files = {"image": encode(to_uint8(smooth_image(h, w)))}
+    for spec in task.files:
+        if spec.kind == "mask":
+            files[spec.name] = png_bytes(((rng.random((h, w)) < 0.2) * 255).astype(np.uint8))
+        else:  # a small blob: a valid kernel-like image
+            r = np.arange(-2, 3)
+            blob = np.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / 2.0)
+            files[spec.name] = png_bytes((blob / blob.max() * 255).astype(np.uint8))
+    return files
+
+
+@pytest.fixture(scope="module")
+def client():
+    settings = Settings(models_dir=MODELS, device=("cpu",), api_key=KEY, warmup=False)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as c:
+        assert c.app.state.service.wait_loaded(120)
+        yield c
+
+
+def test_the_inference_routes_are_the_tasks_and_all_are_admitted_and_key_protected(client) -> None:
+    posted = {path for path, ops in client.app.openapi()["paths"].items() if "post" in ops}
+    assert posted == INFERENCE_ROUTES == {t.route for t in TASKS.values()}
+    assert INFERENCE_ROUTES <= PROTECTED_ROUTES
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_each_task_route_needs_the_key_and_then_answers(client, name: str) -> None:
+    task = TASKS[name]
+    files = form_for(task)
+    refused = client.post(task.route, files=files)
+    assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
+    if not any(s.task == name and s.ready for s in client.app.state.service.registry.slots.values()):
+        pytest.skip(f"no {name} model in the repository")
+    r = client.post(task.route, files=files, headers={"X-API-Key": KEY, "Accept": "application/json"})
+    assert r.status_code == 200, r.text  # admitted: the admission middleware set its ticket
+    body = r.json()
+    for field in task.fields:
+        assert body[field.name] is not None and field.header in r.headers
+    image = Image.open(io.BytesIO(base64.b64decode(body["image"])))
+    assert (body["width"], body["height"]) == image.size
+    assert r.headers["X-KDEQ-Model"] == body["model"]
+
+
+def test_tasks_endpoint_lists_every_task_with_its_options(client) -> None:
+    assert client.get("/tasks").status_code == 401
+    listed = {t["name"]: t for t in client.get("/tasks", headers={"X-API-Key": KEY}).json()}
+    assert list(listed) == list(TASKS)
+    for name, task in TASKS.items():
+        assert listed[name]["route"] == task.route
+        assert set(listed[name]["options"].get("properties", {})) == set(task.options.model_fields)
+        assert [f["name"] for f in listed[name]["files"]] == [f.name for f in task.files]
+
+
+def test_the_openapi_document_declares_each_tasks_fields(client) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    for task in TASKS.values():
+        form = paths[task.route]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+        ref = form["$ref"].rsplit("/", 1)[-1]
+        props = client.get("/openapi.json").json()["components"]["schemas"][ref]["properties"]
+        names = {
+            "image",
+            *task.options.model_fields,
+            *(f.name for f in task.files),
+            "model",
+            "max_iter",
+            "tol",
+        }
+        assert set(props) == names
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_each_task_has_a_subcommand_with_its_options(name: str, capsys) -> None:
+    with pytest.raises(SystemExit) as done:
+        kdeq_main([name, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for option in TASKS[name].options.model_fields:
+        assert "--" + option.replace("_", "-") in text
+    for spec in TASKS[name].files:
+        assert "--" + spec.name.replace("_", "-") in text
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_options_refuse_unknown_keys(name: str) -> None:
+    with pytest.raises(ValidationError):
+        TASKS[name].options(no_such_option=1)
+
+
+def test_a_spec_of_an_unregistered_task_is_refused() -> None:
+    raw = DEFAULT_SPECS[1].model_dump() | {"task": "sharpen"}
+    with pytest.raises(ValidationError, match="unknown task 'sharpen'"):
+        ModelSpec.model_validate(raw)
+
+
+def test_a_task_name_registers_once() -> None:
+    with pytest.raises(ValueError, match="registered twice"):
+        register_task(type("Again", (Task,), {"name": "denoise"}))
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_each_task_has_a_default_model_and_warm_up_request(name: str) -> None:
+    task = TASKS[name]
+    assert any(s.task == name for s in DEFAULT_SPECS), f"no default checkpoint for {name}"
+    request = task.warmup(24)
+    # the warm-up size is the solve's (the output's: a super-resolver's input is smaller)
+    assert task.output_size(request) == (24, 24) and isinstance(request.options, task.options)
