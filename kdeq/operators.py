@@ -45,10 +45,10 @@ def _per_channel(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) ->
     return out.reshape(b, c, *out.shape[-2:])
 
 
-def _mirror_index(n: int, start: int, stop: int, device: torch.device) -> torch.Tensor:
-    """Indices into a length-``n`` axis of the symmetric extension's samples ``start … stop−1``:
-    ``j mod 2n``, folded back as ``2n − 1 − j`` past the end."""
-    j = torch.arange(start, stop, device=device).remainder(2 * n)
+def mirror(j: torch.Tensor, n: int) -> torch.Tensor:
+    """The pixel of a length-``n`` axis that sample ``j`` (any integer) of its symmetric extension
+    copies: ``j mod 2n``, folded back as ``2n − 1 − j`` past the end."""
+    j = j.remainder(2 * n)
     return torch.where(j >= n, 2 * n - 1 - j, j)
 
 
@@ -57,7 +57,7 @@ def _extend(x: torch.Tensor, dim: int, start: int, stop: int, border: Border) ->
     extension (``start`` may be negative, ``stop`` beyond ``n``)."""
     n = x.shape[dim]
     if border == "symmetric":
-        return x.index_select(dim, _mirror_index(n, start, stop, x.device))
+        return x.index_select(dim, mirror(torch.arange(start, stop, device=x.device), n))
     pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [-start, stop - n]
     return F.pad(x, pad)
 
@@ -68,7 +68,7 @@ def _extend_adjoint(u: torch.Tensor, dim: int, n: int, start: int, stop: int, bo
     if border == "symmetric":
         shape = list(u.shape)
         shape[dim] = n
-        return u.new_zeros(shape).index_add(dim, _mirror_index(n, start, stop, u.device), u)
+        return u.new_zeros(shape).index_add(dim, mirror(torch.arange(start, stop, device=u.device), n), u)
     pad = [0, 0] * (u.dim() - 1 - dim % u.dim()) + [start, n - stop]
     return F.pad(u, pad)
 
@@ -252,7 +252,7 @@ class BlurSubsample(Operator):
             j = j.reshape(-1)
             weights = self.taps.to(dtype=dtype, device=device).repeat(n // s)
             if self.border == "symmetric":
-                j = _mirror_index(n, 0, 2 * n, device)[j.remainder(2 * n)]
+                j = mirror(j, n)
             else:
                 inside = (j >= 0) & (j < n)
                 rows, j, weights = rows[inside], j[inside], weights[inside]
@@ -352,12 +352,12 @@ class Sandwich(nn.Module):
         centre (``ĉ`` its DFT, real since ``c`` is point-symmetric). Blur and subsampled blur are
         shift-invariant on the observation grid, so this is exact away from the border; it is SPD
         (``ĉ ≥ 0`` after clamping rounding, ``s < 0``), as CG needs."""
+        if isinstance(self.op, Restriction):
+            return lambda r: r  # a per-pixel mask is not shift-invariant
         h, w = size
         impulse = torch.zeros(1, 1, h, w, dtype=self.scale.dtype, device=self.scale.device)
         impulse[..., h // 2, w // 2] = 1.0
         unit = Sandwich(self.op, self.kernel_map, torch.ones(1, dtype=impulse.dtype, device=impulse.device))
-        if isinstance(self.op, Restriction):
-            return lambda r: r  # a per-pixel mask is not shift-invariant
         response = unit(impulse).roll((-(h // 2), -(w // 2)), dims=(-2, -1))
         symbol = torch.fft.rfft2(response).real.clamp(min=0.0)
         denom = 1.0 - self.scale.to(symbol) * symbol

@@ -52,6 +52,18 @@ def to_uint8(x: np.ndarray) -> np.ndarray:
     return np.round(np.clip(x, 0, 1) * 255).astype(np.uint8)
 
 
+def assert_error(response, status: int, error: str | None = None) -> dict:
+    """The JSON error body of ``response``, checked: ``status``, ``{"error", "detail"}`` with a detail,
+    and the ``error`` code when given."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error", "detail"} and body["detail"]
+    if error is not None:
+        assert body["error"] == error, body
+    return body
+
+
 def encode(image: Image.Image | np.ndarray, fmt: str = "PNG", **params: object) -> bytes:
     """An image (PIL, or a float array in [0, 1] or uint8) as file bytes in ``fmt``."""
     if isinstance(image, np.ndarray):

@@ -29,7 +29,7 @@ from kdeq.tasks import TASKS, Request, solve_batch
 from kdeq.tasks.deblur import Deblurrer
 from service.app import create_app
 from service.settings import Settings
-from tests.service_helpers import MODELS, ROOT, decode, encode, psnr, smooth_image, to_uint8
+from tests.service_helpers import MODELS, ROOT, assert_error, decode, encode, psnr, smooth_image, to_uint8
 
 BSD68 = ROOT.parent / "shared" / "data" / "BSD68"
 TASK = TASKS["deblur"]
@@ -296,12 +296,6 @@ def photo() -> np.ndarray:
     """A blurred, slightly noisy grey image ``(40, 48)`` as uint8."""
     psf = parse_psf("gaussian:1.6").numpy()
     return to_uint8(blurred(smooth_image(40, 48), psf, 2.55, seed=3))
-
-
-def assert_error(response, status: int, error: str) -> None:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error", "detail"} and body["error"] == error and body["detail"], body
 
 
 def test_deblur_route_answers_with_the_models_own_output(

@@ -16,6 +16,7 @@ from service.app import create_app
 from service.settings import Settings
 from tests.service_helpers import (
     MODELS,
+    assert_error,
     decode,
     encode,
     metric,
@@ -42,16 +43,6 @@ def client():
 def grey_png(h: int = 48, w: int = 64, sigma: float = 20.0) -> tuple[bytes, np.ndarray]:
     clean = smooth_image(h, w)
     return encode(to_uint8(noisy(clean, sigma))), clean
-
-
-def assert_error(response, status: int, error: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()
-    assert set(body) == {"error", "detail"} and body["detail"]
-    if error is not None:
-        assert body["error"] == error, body
-    return body
 
 
 # --- operations ------------------------------------------------------------------------------

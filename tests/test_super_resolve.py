@@ -26,7 +26,7 @@ from kdeq.tasks import TASKS, solve_batch
 from kdeq.tasks.super_resolve import SuperResolver, upsample
 from service.app import create_app
 from service.settings import Settings
-from tests.service_helpers import MODELS, ROOT, decode, encode, psnr, smooth_image, to_uint8
+from tests.service_helpers import MODELS, ROOT, assert_error, decode, encode, psnr, smooth_image, to_uint8
 
 BSD68 = ROOT.parent / "shared" / "data" / "BSD68"
 TASK = TASKS["super-resolve"]
@@ -251,12 +251,6 @@ def client() -> Iterator[TestClient]:
 def small() -> np.ndarray:
     """A grey uint8 image ``(14, 18)``."""
     return to_uint8(degrade(smooth_image(28, 36), 2))
-
-
-def assert_error(response, status: int, error: str) -> None:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error", "detail"} and body["error"] == error and body["detail"], body
 
 
 def test_super_resolve_route_enlarges_by_the_scale(

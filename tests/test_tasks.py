@@ -25,23 +25,17 @@ from tests.service_helpers import MODELS, encode, smooth_image, to_uint8
 KEY = "s3cret"
 
 
-def png_bytes(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def form_for(task: Task, h: int = 40, w: int = 48) -> dict[str, bytes]:
     """A valid upload for ``task``: a smooth grey image and each of its file inputs."""
     rng = np.random.default_rng(1)
     files = {"image": encode(to_uint8(smooth_image(h, w)))}
     for spec in task.files:
         if spec.kind == "mask":
-            files[spec.name] = png_bytes(((rng.random((h, w)) < 0.2) * 255).astype(np.uint8))
+            files[spec.name] = encode(((rng.random((h, w)) < 0.2) * 255).astype(np.uint8))
         else:  # a small blob: a valid kernel-like image
             r = np.arange(-2, 3)
             blob = np.exp(-(r[:, None] ** 2 + r[None, :] ** 2) / 2.0)
-            files[spec.name] = png_bytes((blob / blob.max() * 255).astype(np.uint8))
+            files[spec.name] = encode((blob / blob.max() * 255).astype(np.uint8))
     return files
 
 

@@ -142,6 +142,9 @@ class Task:
         files: its other image inputs.
         fields: the values its results report besides the solver's statistics and ``λ``.
         grey_output: whether the output is one grey channel whatever the input.
+        architectures: the architecture kinds (``kdeq.checkpoint``) its models may have.
+        network: the conditioning (``kdeq.guidenet.GuideNet.condition``) a network of its models has,
+            ``None`` when they have none.
         score_name, score_label: the validation score's name in the trainer's metrics
             (``val_<score_name>``) and its axis label in the report; higher is better.
     """
@@ -154,6 +157,8 @@ class Task:
     files: ClassVar[tuple[FileInput, ...]] = ()
     fields: ClassVar[tuple[ResultField, ...]] = ()
     grey_output: ClassVar[bool] = False
+    architectures: ClassVar[tuple[str, ...]] = ("conv",)
+    network: ClassVar[str | None] = None
     score_name: ClassVar[str] = "psnr"
     score_label: ClassVar[str] = "PSNR (dB)"
 
@@ -163,13 +168,22 @@ class Task:
 
     def check_spec(self, spec: ModelSpec) -> None:
         """Raise ``ValueError`` where ``spec`` is not a model this task can run (its family is
-        checked by ``kdeq.checkpoint``)."""
-        if spec.architecture.kind == "guided":
-            raise ValueError(f"the guided (adaptive) architecture is not for the {self.name} task")
-        if spec.architecture.net is not None:
+        checked by ``kdeq.checkpoint``): here the declared ``architectures`` and ``network``, and the
+        noise ``λ`` rule only where requests carry a noise level (the option ``sigma``, given or
+        estimated); a task adds its own rules after these."""
+        arch = spec.architecture
+        if arch.kind not in self.architectures:
+            raise ValueError(
+                f"the {arch.kind} architecture is not for the {self.name} task (it takes "
+                f"{', '.join(self.architectures)})"
+            )
+        if arch.net is not None and self.network is None:
             raise ValueError(f"the {self.name} task has no network")
-        if spec.lam.rule == "noise":
-            raise ValueError(f"the noise λ rule needs a noise level, which the {self.name} task has not")
+        if arch.net is not None and arch.net.condition != self.network:
+            wanted, got = self.network, arch.net.condition
+            raise ValueError(f"the {self.name} task's network is conditioned on {wanted!r}, not {got!r}")
+        if spec.lam.rule == "noise" and "sigma" not in self.options.model_fields:
+            raise ValueError(f"the noise λ rule needs a noise level, which {self.name} requests do not carry")
 
     def prepare(
         self,
@@ -265,6 +279,14 @@ class Task:
         """The input ``(c, H, W)`` the training report shows for one of ``corrupt``'s examples: by
         default the predictor's first argument."""
         return self.predictor_inputs({k: v[None] for k, v in example.items()})[0][0]
+
+
+def noise_levels(requests: Sequence[Request]) -> list[float] | None:
+    """The batch's given noise levels (the option ``sigma``, 0–255), or ``None`` where they are to be
+    estimated; a batch agrees on which (its tasks' ``batch_key``)."""
+    if requests[0].options.sigma is None:
+        return None
+    return [r.options.sigma for r in requests]
 
 
 def solve_batch(task: Task, predictor: Predictor, requests: Sequence[Request]) -> list[Solved]:

@@ -43,7 +43,16 @@ from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.psf import MAX_PSF_SIDE, check_psf, parse_psf
 from kdeq.solvers import SolverStats
 from kdeq.tasks import register_task
-from kdeq.tasks.base import FileInput, InputError, NoiseLevel, Options, Request, ResultField, Task
+from kdeq.tasks.base import (
+    FileInput,
+    InputError,
+    NoiseLevel,
+    Options,
+    Request,
+    ResultField,
+    Task,
+    noise_levels,
+)
 
 
 class Deblurrer(Predictor):
@@ -129,10 +138,11 @@ class Deblur(Task):
     )
     fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
 
+    architectures = ("conv", "guided")
+
     def check_spec(self, spec: ModelSpec) -> None:
+        super().check_spec(spec)
         arch = spec.architecture
-        if arch.net is not None:
-            raise ValueError("the deblurrer has no network")
         if arch.kind == "guided":
             if not arch.kernel.normalize or spec.mean != "local":
                 raise ValueError("the guided deblurrer's kernel is normalised, with its own local mean")
@@ -183,7 +193,7 @@ class Deblur(Task):
         sizes: list[tuple[int, int]] | None,
     ) -> Prediction:
         first = requests[0]
-        sigma = None if first.options.sigma is None else [r.options.sigma for r in requests]
+        sigma = noise_levels(requests)
         return predictor.predict(
             images, torch.from_numpy(first.inputs["psf"]), sigma=sigma, solver=first.solver
         )

@@ -10,7 +10,7 @@ from kdeq.checkpoint import ModelSpec
 from kdeq.denoise import Denoiser
 from kdeq.predictor import Prediction
 from kdeq.tasks import register_task
-from kdeq.tasks.base import NoiseLevel, Options, Request, ResultField, Task
+from kdeq.tasks.base import NoiseLevel, Options, Request, ResultField, Task, noise_levels
 from kdeq.train.data import Corruption, uniform
 
 
@@ -27,13 +27,13 @@ class Denoise(Task):
     predictor = Denoiser
     options = DenoiseOptions
     fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
+    architectures = ("conv", "guided")
+    network = "sigma"
 
     def check_spec(self, spec: ModelSpec) -> None:
-        net = spec.architecture.net
-        if net is not None and spec.architecture.kind != "guided":
+        super().check_spec(spec)
+        if spec.architecture.net is not None and spec.architecture.kind != "guided":
             raise ValueError("the denoiser's network is the guided kernel's guide: use a guided architecture")
-        if net is not None and net.condition != "sigma":
-            raise ValueError("the guided denoiser's network is conditioned on the noise level ('sigma')")
 
     def batch_key(self, request: Request) -> Hashable:
         # given levels may differ within a batch (σ is per sample); estimated ones are estimated per image
@@ -47,7 +47,7 @@ class Denoise(Task):
         sizes: list[tuple[int, int]] | None,
     ) -> Prediction:
         first = requests[0]
-        sigma = None if first.options.sigma is None else [r.options.sigma for r in requests]
+        sigma = noise_levels(requests)
         extra = {} if sizes is None else {"sizes": sizes}
         return predictor.predict(images, sigma=sigma, solver=first.solver, **extra)
 

@@ -32,17 +32,12 @@ class Inpaint(Task):
             "mask",
         ),
     )
+    network = "mask"
 
     def check_spec(self, spec: ModelSpec) -> None:
-        if spec.architecture.kind == "guided":
-            raise ValueError("the guided (adaptive) architecture is for the denoise task")
-        net = spec.architecture.net
-        if net is not None and net.condition != "mask":
-            raise ValueError("the inpainter's network is conditioned on the observed mask ('mask')")
-        if net is not None and spec.mean != "normalized_convolution":
+        super().check_spec(spec)
+        if spec.architecture.net is not None and spec.mean != "normalized_convolution":
             raise ValueError("the inpainter's network adds to the normalized_convolution mean")
-        if spec.lam.rule == "noise":
-            raise ValueError("the noise λ rule needs a noise level, which only the denoise task has")
 
     def prepare(
         self,

@@ -43,17 +43,12 @@ class Segment(Task):
     grey_output = True
     score_name = "iou"
     score_label = "IoU"
+    network = "image"
 
     def check_spec(self, spec: ModelSpec) -> None:
-        if spec.architecture.kind == "guided":
-            raise ValueError("the guided (adaptive) architecture is for the denoise task")
-        net = spec.architecture.net
-        if net is not None and net.condition != "image":
-            raise ValueError("the segmenter's network is conditioned on the grey levels ('image')")
-        if net is not None and spec.mean != "none":
+        super().check_spec(spec)
+        if spec.architecture.net is not None and spec.mean != "none":
             raise ValueError("the segmenter's network is its mean: use mean 'none'")
-        if spec.lam.rule == "noise":
-            raise ValueError("the noise λ rule needs a noise level, which only the denoise task has")
 
     def batch_key(self, request: Request) -> tuple:
         # the output kind is chosen per request from the same solve

@@ -21,7 +21,7 @@ import torch
 from pydantic import Field
 
 from kdeq.checkpoint import ModelSpec
-from kdeq.operators import BlurSubsample, KernelMap, solve_observed
+from kdeq.operators import BlurSubsample, KernelMap, mirror, solve_observed
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.psf import SR_SCALES, bicubic_taps, keys_cubic
 from kdeq.tasks import register_task
@@ -39,9 +39,7 @@ def interpolation_matrix(n: int, scale: int, dtype: torch.dtype = torch.float32)
     for t in range(-1, 3):
         i = base + t
         weight = keys_cubic(u - i.double())
-        i = torch.where(i < 0, -i - 1, i)
-        i = torch.where(i >= n, 2 * n - i - 1, i).clamp(0, n - 1)
-        out.index_put_((rows, i), weight, accumulate=True)
+        out.index_put_((rows, mirror(i, n)), weight, accumulate=True)
     return out.to(dtype)
 
 
