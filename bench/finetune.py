@@ -8,11 +8,16 @@ Each argument is a checkpoint folder (``models/<name>/<version>``). Denoise: Set
 ``--cbsd68 N``), σ given to the model or, with ``--blind``, estimated by it per image; inpaint:
 Set12 with 50 % and 80 % random pixels missing and with three brush strokes (the trainer's
 ``stroke_mask``), PSNR on the missing pixels; segment: ``bench/quality.py``'s binary images and
-corruptions, IoU of the mask. ``--baseline`` adds the task's classical baseline beside them
-(``.venv-bench``): BM3D with σ given, scikit-image's biharmonic inpainting, TV then threshold.
+corruptions, IoU of the mask; deblur: Set12 (and BSD68) blurred by ``bench/quality.py``'s Gaussian
+(σ = 1.6) and 15-pixel motion PSFs with noise σ = 2.55 and 7.65, σ and the PSF given; super-resolve:
+Set12 (and BSD68) and Kodak24 at ×2, ×3, ×4 through ``bench/quality.py``'s degradation, PSNR with a
+``scale``-pixel border cropped (on Y for colour). ``--baseline`` adds the task's classical baseline
+beside them (``.venv-bench``): BM3D with σ given, scikit-image's biharmonic inpainting, TV then
+threshold, scikit-image's unsupervised Wiener filter, PIL's bicubic upsampling.
 Noise and random masks are ``bench/baselines.py``'s (seed = image index), so the figures line up
 with ``bench/quality.py``'s. Prints a Markdown table: mean PSNR (dB) or IoU, mean solver
-iterations, converged count, and for a model with a network the score of its pilot alone; with
+iterations, converged count, seconds per image (scoring included), and for a model with a network
+the score of its pilot alone; with
 ``--per-image``, then each image's scores.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +34,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
-from quality import SEGMENT_CORRUPTIONS, segment_targets, to_numpy, to_tensor
+from quality import (
+    DEBLUR_SIGMAS,
+    SEGMENT_CORRUPTIONS,
+    SR_SCALES,
+    deblur_psfs,
+    downsampler,
+    segment_targets,
+    to_numpy,
+    to_tensor,
+)
 
 from kdeq.repository import load_predictor
 from kdeq.train.data import stroke_mask
@@ -37,10 +52,30 @@ from kdeq.train.data import stroke_mask
 def cases(
     task: str, bsd68: bool, cbsd68: int = 0
 ) -> list[tuple[str, list[tuple[np.ndarray, np.ndarray, object]]]]:
-    """``(label, [(clean, input, extra)])``: extra is σ (denoise), the missing mask (inpaint) or the
-    noise level TV is told (segment)."""
+    """``(label, [(clean, input, extra)])``: extra is σ (denoise), the missing mask (inpaint), the
+    noise level TV is told (segment), ``(PSF, σ, image index)`` (deblur) or the scale
+    (super-resolve)."""
     out = []
-    if task == "segment":
+    if task == "deblur":
+        psfs, _ = deblur_psfs(reference=False)
+        for name in ["Set12"] + (["BSD68"] if bsd68 else []):
+            clean = [c for _, c in B.load_set(name)]
+            for label, psf in psfs.items():
+                blurred = [B.blur(c, psf) for c in clean]
+                for sigma in DEBLUR_SIGMAS:
+                    items = [
+                        (c, B.add_noise(b, sigma, i), (psf, sigma, i))
+                        for i, (c, b) in enumerate(zip(clean, blurred, strict=True))
+                    ]
+                    out.append((f"{name} {label} σ={sigma:g}", items))
+    elif task == "super-resolve":
+        down, _ = downsampler(reference=False)
+        for name in ["Set12"] + (["BSD68"] if bsd68 else []) + ["Kodak24"]:
+            images = [c for _, c in B.load_set(name)]
+            for s in SR_SCALES:
+                hrs = [B.crop_to_scale(c, s) for c in images]
+                out.append((f"{name} ×{s}", [(hr, down(hr, s), s) for hr in hrs]))
+    elif task == "segment":
         targets = segment_targets()
         for name, (corrupt, tv_sigma) in SEGMENT_CORRUPTIONS.items():
             items = [(b, corrupt(b, np.random.default_rng(i)), tv_sigma) for i, (_, b) in enumerate(targets)]
@@ -81,6 +116,17 @@ def score(
         value = B.iou(pred.mask[0, 0].numpy(), clean)
         if pred.pilot is not None:
             pilot = B.iou(pred.pilot[0, 0].numpy() > 0.5, clean)
+    elif task == "deblur":
+        psf, sigma, _ = extra
+        pred = model.predict(to_tensor(y), torch.from_numpy(psf.astype(np.float32)), sigma=sigma)
+        value = B.psnr(to_numpy(pred.output), clean)
+        if pred.pilot is not None and model.config.architecture.net is not None:
+            pilot = B.psnr(to_numpy(pred.pilot), clean)
+    elif task == "super-resolve":
+        pred = model.predict(to_tensor(y), scale=extra)
+        value = B.psnr_sr(to_numpy(pred.output), clean, extra)
+        if pred.pilot is not None:
+            pilot = B.psnr_sr(to_numpy(pred.pilot), clean, extra)
     elif task == "denoise":
         pred = model.predict(to_tensor(y), sigma=None if blind else float(extra))
         value = B.psnr(to_numpy(pred.output), clean)
@@ -99,6 +145,11 @@ BASELINES = {
     "denoise": ("BM3D (σ given)", lambda c, y, e: B.psnr(B.bm3d_denoise(y, e), c)),
     "inpaint": ("biharmonic", lambda c, y, e: B.psnr(B.biharmonic(c, e), c, e)),
     "segment": ("TV then threshold", lambda c, y, e: B.iou(B.tv_threshold(y, e), c)),
+    "deblur": (
+        "unsupervised Wiener",
+        lambda c, y, e: B.psnr(B.unsupervised_wiener(y, e[0], e[2]), c),
+    ),
+    "super-resolve": ("bicubic (PIL)", lambda c, y, e: B.psnr_sr(B.upsample_pil(y, e, "bicubic"), c, e)),
 }
 
 
@@ -128,9 +179,13 @@ def main() -> None:
     for label, items in cases(args.task, args.bsd68, args.cbsd68):
         cells, columns = [], []
         for _, model in models:
+            start = time.perf_counter()
             results = [score(args.task, model, c, y, e, args.blind) for c, y, e in items]
+            seconds = (time.perf_counter() - start) / len(items)
             values, iters, conv, pilots = zip(*results, strict=True)
-            cell = f"{fmt(np.mean(values))} ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)})"
+            cell = (
+                f"{fmt(np.mean(values))} ({np.mean(iters):.1f} it, {sum(conv)}/{len(conv)}, {seconds:.2f} s)"
+            )
             if not np.isnan(pilots).any():
                 cell += f", pilot {fmt(np.mean(pilots))}"
             cells.append(cell)

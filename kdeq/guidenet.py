@@ -36,6 +36,21 @@ against its threshold ``τ`` and the labels ``t = [x̄ > τ]`` (``kdeq.segment``
 
 the logit prior mean of kernel logistic regression, ``z = logistic((K/λ)(t − z) + m)``.
 At the kGLM start ``m = 0`` and the model is the closed-form segmenter.
+
+The deblurrer's network (``condition = "sigma"``) is the denoiser's, applied to the first,
+stationary solve ``f₀`` (``kdeq.tasks.deblur``) in place of ``y``: it learns to remove what the
+deconvolution left (amplified, coloured noise and ringing), and its pilot is the second solve's guide
+and, mixed by ``β``, its mean.
+
+The super-resolver's network (``condition = "scale"``) reads the bicubic interpolation ``u`` of the
+low-resolution image, with a constant ``1/s`` map for the scale ``s`` in place of the ``σ`` map:
+
+    p = u + N_θ(u − ū, 1/s),
+
+the prior mean of kernel ridge regression through the degradation (``kdeq.tasks.super_resolve``):
+the output ``p + K Aᵀ(A K Aᵀ + λI)⁻¹(y − A p)`` is the pilot corrected until its degradation
+reproduces ``y`` up to ``λ``. At the kGLM start ``p = u`` and the model is the closed-form
+super-resolver.
 """
 
 from __future__ import annotations
@@ -51,11 +66,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class GuideNet(BaseModel):
     """Shape of ``N_θ``: ``depth`` convolutions (``depth − 1`` followed by ReLU) of ``channels`` features,
-    conditioned on the noise level (``sigma``: the denoiser's guide), the observed mask (``mask``:
-    the inpainter's mean) or the labels (``image``: the segmenter's logit mean).
+    conditioned on the noise level (``sigma``: the denoiser's and deblurrer's guide), the observed
+    mask (``mask``: the inpainter's mean), the labels (``image``: the segmenter's logit mean) or the
+    scale (``scale``: the super-resolver's mean).
 
     Its tensors: ``net_<i>_weight`` ``(out, in, 3, 3)`` and ``net_<i>_bias`` ``(out,)`` for
-    ``i < depth`` (``in = 5`` first for ``sigma``, ``8`` otherwise; ``out = 4`` last); for
+    ``i < depth`` (``in = 5`` first for ``sigma`` and ``scale``, ``8`` otherwise; ``out = 4`` last); for
     ``sigma`` also ``net_skip`` ``(1,)`` (``a``) and ``net_mean_mix`` ``(1,)``: the denoiser's mean is
     ``(1 − β)·D⁻¹K y + β·p`` (``kdeq.denoise``).
     """
@@ -64,13 +80,13 @@ class GuideNet(BaseModel):
 
     depth: int = Field(10, ge=2, le=32)
     channels: int = Field(64, ge=4, le=256)
-    condition: Literal["sigma", "mask", "image"] = "sigma"
+    condition: Literal["sigma", "mask", "image", "scale"] = "sigma"
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor names and shapes, in layer order."""
         out: dict[str, tuple[int, ...]] = {}
         for i in range(self.depth):
-            cin = (5 if self.condition == "sigma" else 8) if i == 0 else self.channels
+            cin = (5 if self.condition in ("sigma", "scale") else 8) if i == 0 else self.channels
             cout = 4 if i == self.depth - 1 else self.channels
             out[f"net_{i}_weight"] = (cout, cin, 3, 3)
             out[f"net_{i}_bias"] = (cout,)
@@ -169,6 +185,20 @@ def pilot(
         return ub + tensors["net_skip"] * (u - ub) + _network(h, tensors, net, tuple(u.shape[-2:]))
 
     return _per_opponent_channel(one, y, base)
+
+
+def upscale_pilot(
+    u: torch.Tensor, scale: int, tensors: dict[str, torch.Tensor], net: GuideNet
+) -> torch.Tensor:
+    """The super-resolver's ``p = u + N_θ(u − ū, 1/s)`` ``(B, c, H, W)`` for the interpolated image
+    ``u`` ``(B, c, H, W)`` and the scale ``s``; see the module docstring."""
+
+    def one(v: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        h = _unshuffle(v - v.mean(dim=(2, 3), keepdim=True))
+        h = torch.cat([h, torch.full_like(h[:, :1], 1.0 / scale)], dim=1)
+        return v + _network(h, tensors, net, tuple(v.shape[-2:]))
+
+    return _per_opponent_channel(one, u, u)
 
 
 def inpaint_pilot(

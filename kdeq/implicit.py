@@ -65,14 +65,20 @@ def equilibrium(
         # the autograd engine runs this hook outside the forward's IEEE section (kdeq.precision)
         with torch.enable_grad(), ieee_float32():
             u, adj_stats = solve(adjoint, grad, adjoint_cfg)
-        if not bool(adj_stats.converged.all()):
-            warnings.warn(
-                f"implicit backward solve did not converge: residual {adj_stats.residual.max().item():.2e} "
-                f"> tol {adjoint_cfg.tol:g} after {adj_stats.iterations.max().item()} iterations",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        warn_unconverged(adj_stats, adjoint_cfg)
         return u.detach()
 
     z.register_hook(correct)
     return z, stats
+
+
+def warn_unconverged(stats: SolverStats, config: SolverConfig) -> None:
+    """A ``RuntimeWarning`` (the trainer counts them) when an adjoint solve left a sample above
+    ``config``'s tolerance."""
+    if not bool(stats.converged.all()):
+        warnings.warn(
+            f"implicit backward solve did not converge: residual {stats.residual.max().item():.2e} "
+            f"> tol {config.tol:g} after {stats.iterations.max().item()} iterations",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -159,8 +159,8 @@ DEFAULT_SPECS: tuple[ModelSpec, ...] = (
 
 
 def _default(name: str) -> ModelSpec:
-    """The default spec called ``name``."""
-    return next(spec for spec in DEFAULT_SPECS if spec.name == name)
+    """The latest default spec called ``name``."""
+    return max((spec for spec in DEFAULT_SPECS if spec.name == name), key=lambda spec: spec.version)
 
 
 #: grown architectures (``kdeq.guidenet``), trained from their kGLM start with ``kdeq train --spec NAME``
@@ -198,6 +198,30 @@ GROWN_SPECS: tuple[ModelSpec, ...] = (
             "architecture": {
                 **_default("segment-kglm").architecture.model_dump(),
                 "net": GuideNet(condition="image").model_dump(),
+            },
+        }
+    ),
+    ModelSpec.model_validate(
+        {
+            **_default("deblur-kglm").model_dump(),
+            "name": "deblur-kglm-net",
+            "description": "Adaptive-kernel kGLM deblurring whose guide and mean come from a small learned "
+            "network on the first, stationary solve (grey or colour); σ given or estimated.",
+            "architecture": {
+                **_default("deblur-kglm").architecture.model_dump(),
+                "net": GuideNet().model_dump(),
+            },
+        }
+    ),
+    ModelSpec.model_validate(
+        {
+            **_default("super-resolve-kglm").model_dump(),
+            "name": "super-resolve-kglm-net",
+            "description": "Kernel ridge regression through the bicubic degradation around a mean from a "
+            "small learned network on the bicubic interpolation (×2, ×3, ×4).",
+            "architecture": {
+                **_default("super-resolve-kglm").architecture.model_dump(),
+                "net": GuideNet(condition="scale").model_dump(),
             },
         }
     ),

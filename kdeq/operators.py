@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kdeq.conv import ScaledConv, Stationary
+from kdeq.implicit import warn_unconverged
 from kdeq.linear import Negated, solve_affine
+from kdeq.precision import ieee_float32
 from kdeq.solvers import SolverConfig, SolverStats
 from kdeq.transforms import dct2, dct_symbol, idct2, is_axis_even
 
@@ -377,7 +379,8 @@ class Sandwich(nn.Module):
             or inner.taps.shape[-1] // 2 > min(size)
         ):
             return self.kernel_map(u)
-        key = (size, u.dtype, u.device)
+        # a symbol computed without autograd must not serve a pass that differentiates the taps
+        key = (size, u.dtype, u.device, torch.is_grad_enabled())
         if key not in self._symbols:
             self._symbols[key] = dct_symbol(inner.taps, size).to(u)
         return inner.scale.to(u) * idct2(dct2(u) * self._symbols[key])
@@ -414,6 +417,9 @@ def solve_observed(
         mean: ``m`` ``(B, c, H, W)``, or ``None`` for 0.
         config: the solver's settings.
 
+    With autograd on, ``f`` is differentiable in the kernel map's parameters, ``λ`` and ``m``: ``z``
+    is solved without tracking and re-attached by ``_attach`` (implicit differentiation).
+
     Returns:
         ``f`` ``(B, c, H, W)`` and the equilibrium solve's per-sample statistics.
     """
@@ -422,6 +428,32 @@ def solve_observed(
         raise ValueError(f"λ has {lam.shape[0]} values for a batch of {y.shape[0]}")
     w1 = Sandwich(op, kernel_map, -1.0 / lam)
     observed_mean = None if mean is None else op.forward(mean)
-    z, stats, _ = solve_affine(w1, Negated(w1), y, observed_mean, None, None, config)
+    with torch.no_grad():
+        z, stats, _ = solve_affine(w1, Negated(w1), y, observed_mean, None, None, config)
+    if torch.is_grad_enabled():
+        z = _attach(w1, z, y, observed_mean, config)
     f = w1.kernel(op.adjoint(y - z)) / lam.reshape(-1, 1, 1, 1)
     return (f if mean is None else f + mean), stats
+
+
+def _attach(
+    w1: Sandwich, z: torch.Tensor, y: torch.Tensor, observed_mean: torch.Tensor | None, config: SolverConfig
+) -> torch.Tensor:
+    """The equilibrium ``z*`` ``(B, c, H', W')`` of ``g(z) = W1 (z − y) + A m`` re-attached to the
+    autograd graph: ``g(z*)`` (equal to ``z*``) with its gradient corrected by the implicit function
+    theorem, ``∂ℓ/∂θ = uᵀ ∂g/∂θ`` for ``(I − W1)ᵀ u = ∂ℓ/∂z*``. ``W1 = −A K Aᵀ/λ`` is symmetric, so
+    the adjoint system is the forward one, ``u = W1 u + ∂ℓ/∂z*``, and ``solve_affine`` solves it by
+    the same exact method (a transform, or preconditioned CG)."""
+    z = w1(z.detach() - y) + (0.0 if observed_mean is None else observed_mean)
+    if not z.requires_grad:
+        return z
+
+    def correct(grad: torch.Tensor) -> torch.Tensor:
+        # the autograd engine runs this hook outside the forward's IEEE section (kdeq.precision)
+        with torch.no_grad(), ieee_float32():
+            u, stats, _ = solve_affine(w1, Negated(w1), torch.zeros_like(grad), grad, None, None, config)
+        warn_unconverged(stats, config)
+        return u
+
+    z.register_hook(correct)
+    return z

@@ -60,8 +60,10 @@ class Prediction:
         sigma: noise level used per sample on the 0–255 scale ``(B,)`` (denoise), else ``None``.
         mask: foreground ``(B, 1, H, W)`` bool (segment), else ``None``.
         threshold: binarisation threshold per sample ``(B,)`` (segment), else ``None``.
-        pilot: a model with a network (``kdeq.guidenet``): the denoiser's or inpainter's pilot image
-            ``(B, c, H, W)``, the segmenter's ``logistic(m)`` ``(B, 1, H, W)``; else ``None``.
+        pilot: a model with a network (``kdeq.guidenet``): its pilot image ``(B, c, H, W)``
+            (denoise, inpaint, deblur, super-resolve), the segmenter's ``logistic(m)``
+            ``(B, 1, H, W)``; the adaptive deblurrer without one: its first solve ``f₀``; else
+            ``None``.
     """
 
     output: torch.Tensor
@@ -156,9 +158,13 @@ class Predictor:
         tensors: the checkpoint's tensors on the device (the trainer swaps in its parameters).
         lam_scale: factor on the checkpoint's ``λ`` rule, 1 for a loaded model (the trainer learns
             it as a tensor and folds it back into the rule when it writes a checkpoint).
+        reads: the kernel tensors ``forward`` reads, of ``w1``, ``w2``, ``v1``, ``v2`` (a conv
+            architecture's) and ``spatial``, ``smoothing`` (a guided one's), or ``None`` for all;
+            the trainer learns no other (kGLM-through-an-operator models read ``w1`` alone).
     """
 
     task: ClassVar[str]
+    reads: ClassVar[frozenset[str] | None] = None
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         # every task model's forward and pilot run their kGLM operators (and the guide network,

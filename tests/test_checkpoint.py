@@ -50,6 +50,7 @@ def test_repository_lists_the_shipped_models() -> None:
         ("segment-kglm", 1, None),
         ("segment-kglm", 2, None),  # the learned logit mean, trained from 1's kGLM start by kdeq train
         ("super-resolve-kglm", 1, None),
+        ("super-resolve-kglm", 2, None),  # the learned mean, trained from 1's kGLM start by kdeq train
     ]
 
 

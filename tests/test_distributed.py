@@ -33,6 +33,8 @@ RECIPES = {
     "denoise-kglm-net": ["--task", "denoise", "--val-levels", "25"],
     "inpaint-kglm-net": ["--task", "inpaint", "--mask-kinds", "pixels", "strokes", "--val-levels", "0"],
     "segment-kglm-net": ["--task", "segment", "--sigma", "0,255", "--flip", "0.35"],
+    "deblur-kglm-net": ["--task", "deblur", "--sigma", "1,12", "--psfs", "gaussian:1", "motion:5"],
+    "super-resolve-kglm-net": ["--task", "super-resolve", "--scales", "2", "4"],
 }
 #: the recipe whose resumed run is compared with an uninterrupted run on two machines (each launch
 #: costs seconds of start-up, so one comparison covers both)
@@ -241,7 +243,7 @@ def test_each_phase_trains_exactly_the_parameters_its_loss_reaches(recipe) -> No
     # the Jacobian-free backward reaches the parameters the implicit one does, without its solve
     model = TrainableModel(spec, start_tensors(spec, "kglm", 0), torch.device("cpu"), "jacobian_free")
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    data = PatchDataset([torch.rand(1, 24, 24)], 12, TASKS[spec.task], Corruption(), 2, seed=0)
+    data = PatchDataset([torch.rand(1, 24, 24)], 12, TASKS[spec.task], Corruption(), 2, seed=0, group=2)
     data.set_epoch(1)
     batch = torch.utils.data.default_collate([data[0], data[1]])
     for pilot_only in (True, False, True):

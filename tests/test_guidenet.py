@@ -15,14 +15,18 @@ from torch import nn
 
 from kdeq.checkpoint import Checkpoint, CheckpointError, ModelSpec, load_checkpoint, save_checkpoint
 from kdeq.cli import main as kdeq_main
+from kdeq.conv import conv
 from kdeq.denoise import Denoiser
 from kdeq.filters import gaussian_taps, normalized_convolution
-from kdeq.guidenet import GuideNet, inpaint_pilot, opponent, pilot, segment_mean
+from kdeq.guidenet import GuideNet, inpaint_pilot, opponent, pilot, segment_mean, upscale_pilot
 from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS, init_checkpoint, init_tensors
 from kdeq.inpaint import Inpainter
+from kdeq.operators import BlurSubsample
 from kdeq.predictor import SolverOverride, pad_images
+from kdeq.psf import bicubic_taps, gaussian_psf
 from kdeq.segment import Segmenter, luminance
 from kdeq.tasks import TASKS
+from kdeq.tasks.super_resolve import SuperResolver, degrade, upsample
 from kdeq.train import TrainConfig, train
 from kdeq.train.data import Corruption, image_files, load_images, validation_set
 from kdeq.train.loop import lr_at
@@ -430,6 +434,26 @@ def test_a_network_must_fit_its_model() -> None:
     assert "net_skip" not in SMALL_MASK.shapes() and SMALL_MASK.shapes()["net_0_weight"][1] == 8
 
 
+def network_bias_gradient(
+    model: TrainableModel, batch: dict, solver: SolverOverride, net: GuideNet, k: int
+) -> tuple[float, float]:
+    """The derivative of ``mean((f − ½)²)`` in the ``k``-th bias of the network's last layer, by
+    autograd through the solve (its adjoint solve must converge) and by central differences."""
+    bias = model.raw[f"net_{net.depth - 1}_bias"]
+
+    def loss() -> torch.Tensor:
+        out, _, converged, _ = model(batch, solver)
+        assert converged.all()
+        return (out - 0.5).square().mean()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the adjoint solve converges too
+        loss().backward()
+    one = torch.zeros_like(bias)
+    one[k] = 1.0
+    return bias.grad[k].item(), central_difference(loss, [(bias, one)])
+
+
 def test_the_inpainters_network_gradient_through_the_solve_matches_finite_differences() -> None:
     # λ = 0.1 instead of the shipped 0.01: float32 CG then converges to 1e-5, forward and adjoint
     data = inpaint_spec().model_dump()
@@ -439,20 +463,8 @@ def test_the_inpainters_network_gradient_through_the_solve_matches_finite_differ
     gen = torch.Generator().manual_seed(19)
     clean = torch.rand(2, 1, 16, 18, generator=gen)
     batch = {"image": clean, "missing": torch.rand(2, 1, 16, 18, generator=gen) < 0.5}
-    tight = SolverOverride(tol=1e-5, max_iter=1000)
-    bias = model.raw[f"net_{SMALL_MASK.depth - 1}_bias"]
-
-    def loss() -> torch.Tensor:
-        out, _, converged, _ = model(batch, tight)
-        assert converged.all()
-        return (out - 0.5).square().mean()
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # the adjoint solve converges too
-        loss().backward()
-    one = torch.zeros_like(bias)
-    one[1] = 1.0
-    assert bias.grad[1].item() == pytest.approx(central_difference(loss, [(bias, one)]), rel=2e-2)
+    got, want = network_bias_gradient(model, batch, SolverOverride(tol=1e-5, max_iter=1000), SMALL_MASK, 1)
+    assert got == pytest.approx(want, rel=2e-2)
 
 
 def test_training_an_inpainter_runs_its_pilot_phase_then_the_whole_model(tmp_path: Path) -> None:
@@ -542,3 +554,107 @@ def test_training_a_segmenter_runs_its_pilot_phase_then_the_whole_model(tmp_path
     saved = load_checkpoint(out)
     assert saved.tensors[f"net_{SMALL_IMAGE.depth - 1}_weight"].abs().sum() > 0
     assert saved.config.architecture.net == SMALL_IMAGE
+
+
+# --- the deblurrer's and the super-resolver's learned means -------------------------------------------
+
+SMALL_SCALE = GuideNet(depth=3, channels=8, condition="scale")
+GROWN = {s.name: s for s in GROWN_SPECS}
+
+
+def restore_spec(name: str, net: GuideNet) -> ModelSpec:
+    data = GROWN[name].model_dump()
+    data.update(name=name.replace("-kglm-net", "-net"))
+    data["architecture"]["net"] = net.model_dump()
+    return ModelSpec.model_validate(data)
+
+
+def test_upscale_pilot_matches_an_independent_network() -> None:
+    t = trained_like(SMALL_SCALE, 30)
+    u = torch.rand(2, 1, 12, 14, generator=torch.Generator().manual_seed(31))
+    got = upscale_pilot(u, 3, t, SMALL_SCALE)
+    for b in range(2):
+        v = u[b : b + 1]
+        h = nn.PixelUnshuffle(2)(v - v.mean())
+        h = torch.cat([h, torch.full_like(h[:, :1], 1 / 3)], dim=1)
+        assert torch.allclose(got[b : b + 1], v + reference_network(h, t, SMALL_SCALE), atol=1e-6)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize(
+    ("name", "net"), [("deblur-kglm-net", SMALL), ("super-resolve-kglm-net", SMALL_SCALE)]
+)
+def test_the_grown_restorers_kglm_starts_are_the_closed_form_defaults(
+    tmp_path: Path, name: str, net: GuideNet, channels: int
+) -> None:
+    """At the kGLM start the deblurrer with a network is ``deblur-kglm:2`` and the super-resolver
+    with one ``super-resolve-kglm:1``; both report the network's pilot."""
+    grown, _ = init_checkpoint(restore_spec(name, net), tmp_path)
+    defaults = {s.name: s for s in DEFAULT_SPECS}  # the latest version of each name
+    plain, _ = init_checkpoint(defaults[name.removesuffix("-net")], tmp_path)
+    model_a = TASKS[GROWN[name].task].predictor(load_checkpoint(grown))
+    model_b = TASKS[GROWN[name].task].predictor(load_checkpoint(plain))
+    x = torch.rand(2, channels, 20, 22, generator=torch.Generator().manual_seed(32))
+    args = (gaussian_psf(1.2), 3.0) if name.startswith("deblur") else (2,)
+    a, b = model_a.predict(x, *args), model_b.predict(x, *args)
+    assert torch.allclose(a.output, b.output, atol=1e-5 if channels == 1 else 5e-4)
+    # colour's opponent round trip moves the guide by float32 roundings, and CG's count by one
+    slack = 0 if channels == 1 else 1
+    assert (a.stats.iterations - b.stats.iterations).abs().max() <= slack
+    assert a.pilot is not None and a.pilot.shape == a.output.shape
+    assert torch.allclose(model_a.pilot_only(x, *args), a.pilot, atol=1e-6)
+
+
+def test_the_super_resolver_corrects_its_pilot_by_kernel_ridge_through_the_degradation(
+    tmp_path: Path,
+) -> None:
+    """``f = p + K Aᵀ(A K Aᵀ + λI)⁻¹(y − A p)`` with ``A`` the bicubic degradation, on dense matrices."""
+    spec = restore_spec("super-resolve-kglm-net", SMALL_SCALE)
+    t = {**init_tensors(spec), **trained_like(SMALL_SCALE, 33)}
+    directory = tmp_path / "m" / "1"
+    save_checkpoint(directory, spec, t)
+    model = SuperResolver(load_checkpoint(directory))
+    y = torch.rand(1, 1, 7, 8, generator=torch.Generator().manual_seed(34))
+    got = model.predict(y, 2, SolverOverride(tol=1e-6, max_iter=2000))
+    assert got.stats.converged.all()
+    p = upscale_pilot(upsample(y, 2), 2, t, SMALL_SCALE).double().flatten()
+    assert torch.allclose(got.pilot.double().flatten(), p, atol=1e-6)
+    taps, offset = bicubic_taps(2, dtype=torch.float64)
+    ad = BlurSubsample(taps, offset, 2, "symmetric").dense(14, 16)
+    bank = t["w1"].double()
+    kd = dense_operator(lambda v: conv(v, bank, spec.architecture.padding), (1, 14, 16))
+    gram = ad @ kd @ ad.T + spec.lam.value * torch.eye(ad.shape[0], dtype=torch.float64)
+    want = p + kd @ ad.T @ torch.linalg.solve(gram, y.double().flatten() - ad @ p)
+    assert torch.allclose(got.output.double().flatten(), want, atol=1e-4)
+    assert not torch.allclose(p, want, atol=1e-2)  # the correction acts
+
+
+def test_the_super_resolvers_network_gradient_through_the_solve_matches_finite_differences() -> None:
+    # λ = 0.05 instead of the shipped 0.001: float32 CG then converges to 1e-5, forward and adjoint
+    data = restore_spec("super-resolve-kglm-net", SMALL_SCALE).model_dump()
+    data["lam"]["value"] = 0.05
+    spec = ModelSpec.model_validate(data)
+    model = TrainableModel(spec, {**init_tensors(spec), **trained_like(SMALL_SCALE, 35)}, torch.device("cpu"))
+    clean = torch.rand(2, 1, 16, 18, generator=torch.Generator().manual_seed(36))
+    batch = {"low": degrade(clean, 2), "scale": torch.tensor([2, 2]), "target": clean}
+    got, want = network_bias_gradient(model, batch, SolverOverride(tol=1e-5, max_iter=2000), SMALL_SCALE, 2)
+    assert got == pytest.approx(want, rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    ("name", "net"), [("deblur-kglm-net", SMALL), ("super-resolve-kglm-net", SMALL_SCALE)]
+)
+def test_training_a_grown_restorer_runs_its_pilot_phase_then_the_whole_model(
+    tmp_path: Path, name: str, net: GuideNet
+) -> None:
+    spec = restore_spec(name, net)
+    changes = {"psfs": ("gaussian:1", "motion:5")} if spec.task == "deblur" else {"scales": (2, 4)}
+    _, out = three_epoch_run(
+        tmp_path, spec, task=spec.task, sigma=(1.0, 10.0), val_levels=(), patch_size=16, **changes
+    )
+    epochs = json.loads((out / "report" / "metrics.json").read_text())["epochs"]
+    assert [e["train_iterations"] for e in epochs[1:3]] == [0.0, 0.0]
+    assert epochs[3]["train_iterations"] > 0
+    assert {"val_psnr@0", "val_psnr@1"} <= set(epochs[3]) or {"val_psnr@2", "val_psnr@4"} <= set(epochs[3])
+    saved = load_checkpoint(out)
+    assert saved.tensors[f"net_{net.depth - 1}_weight"].abs().sum() > 0

@@ -526,3 +526,45 @@ def test_sandwich_is_stationary_only_where_the_transform_is_exact() -> None:
         2, 3, 14, 15
     )
     assert torch.allclose(sandwich(x), via_filter, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["blur-symmetric-gaussian", "blur-zeros-motion", "sr2"])
+def test_gradients_through_the_solve_equal_the_dense_solve(name: str) -> None:
+    """The implicit gradient of ``f = m + K Aᵀ(A K Aᵀ + λI)⁻¹(y − A m)`` in the kernel's taps, ``λ``
+    and ``m`` (DCT transform path, CG path, subsampling) equals autograd through the dense solve."""
+    op, (h, w) = BLUR_CASES[name]
+    padding: Padding = "symmetric" if name == "blur-symmetric-gaussian" else "zeros"
+    y, mean0 = _case(h, w, op, seed=5)
+    taps0 = KERNEL.filter(F64)[None, None]
+    weight = torch.randn(mean0.shape, generator=torch.Generator().manual_seed(6), dtype=F64)
+
+    def loss(f: torch.Tensor) -> torch.Tensor:
+        return (weight * f).sum() + f.square().sum()
+
+    def leaves() -> tuple[torch.Tensor, ...]:
+        return tuple(t.clone().requires_grad_(True) for t in (taps0, LAM, mean0))
+
+    taps, lam, mean = leaves()
+    k_map = ScaledConv(taps, torch.ones(1, dtype=F64), padding)
+    f, stats = solve_observed(op, k_map, y, lam, mean, TIGHT)
+    assert stats.converged.all()
+    got = torch.autograd.grad(loss(f), (taps, lam, mean))
+
+    taps, lam, mean = leaves()
+    k_map = ScaledConv(taps, torch.ones(1, dtype=F64), padding)
+    basis = torch.eye(h * w, dtype=F64).reshape(h * w, 1, h, w)
+    kd = k_map(basis).reshape(h * w, -1).T  # column j: K applied to the j-th basis image
+    ad = op.dense(h, w)
+    outs = []
+    for b in range(2):
+        u = y[b].reshape(2, -1).T - ad @ mean[b].reshape(2, -1).T
+        alpha = torch.linalg.solve(ad @ kd @ ad.T + lam[b] * torch.eye(ad.shape[0], dtype=F64), u)
+        outs.append(mean[b] + (kd @ ad.T @ alpha).T.reshape(2, h, w))
+    want = list(torch.autograd.grad(loss(torch.stack(outs)), (taps, lam, mean)))
+    if padding == "symmetric":
+        # the DCT path reads the taps as axis-even (its condition), so its gradient is the derivative
+        # along axis-even changes of them: the dense gradient averaged over the axis flips
+        g = want[0]
+        want[0] = 0.25 * (g + g.flip(-1) + g.flip(-2) + g.flip(-1, -2))
+    for g, r in zip(got, want, strict=True):
+        assert torch.allclose(g, r, rtol=1e-7, atol=1e-9), (g - r).abs().max()

@@ -37,6 +37,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def resolver() -> SuperResolver:
+    """The closed-form ``super-resolve-kglm:1``, whose output the tests below derive."""
+    predictor = load_predictor(find_model(MODELS, "super-resolve-kglm", 1))
+    assert isinstance(predictor, SuperResolver) and predictor.config.architecture.net is None
+    return predictor
+
+
+@pytest.fixture(scope="module")
+def served() -> SuperResolver:
+    """The latest ``super-resolve-kglm``, the one the service and the CLI load."""
     predictor = load_predictor(find_model(MODELS, "super-resolve-kglm"))
     assert isinstance(predictor, SuperResolver)
     return predictor
@@ -185,10 +194,13 @@ def test_super_resolver_is_kernel_ridge_regression_through_the_degradation(
 
 
 @pytest.mark.parametrize("size", [8, 24])
-def test_the_warm_up_request_is_solved_at_every_warm_up_size(resolver: SuperResolver, size: int) -> None:
+def test_the_warm_up_request_is_solved_at_every_warm_up_size(
+    resolver: SuperResolver, served: SuperResolver, size: int
+) -> None:
     request = TASK.warmup(size)
-    (solved,) = solve_batch(TASK, resolver, [request])
-    assert solved.output.shape == (1, *TASK.output_size(request)) and solved.finite and solved.converged
+    for model in (resolver, served):
+        (solved,) = solve_batch(TASK, model, [request])
+        assert solved.output.shape == (1, *TASK.output_size(request)) and solved.finite and solved.converged
 
 
 def test_a_constant_image_enlarges_to_the_constant(resolver: SuperResolver) -> None:
@@ -215,19 +227,26 @@ def test_the_output_reproduces_the_observations_up_to_the_shrinkage(resolver: Su
 
 @pytest.mark.skipif(not BSD68.is_dir(), reason="needs ../shared/data/BSD68")
 @pytest.mark.parametrize("name", ["test001.png", "test003.png"])
-def test_super_resolving_a_photo_beats_bicubic(resolver: SuperResolver, name: str) -> None:
+def test_super_resolving_a_photo_beats_bicubic(
+    resolver: SuperResolver, served: SuperResolver, name: str
+) -> None:
+    """The closed form by 0.3 dB at ×2 (the issue's target for it), the served model by more."""
     with Image.open(BSD68 / name) as im:
         photo = np.asarray(im.convert("L"), dtype=np.float64) / 255.0
     h, w = photo.shape
     hr = photo[h // 2 - 48 : h // 2 + 48, w // 2 - 48 : w // 2 + 48]
     y = degrade(hr, 2)
-    prediction = resolver.predict(torch.from_numpy(y).float()[None, None], scale=2)
-    assert bool(prediction.stats.converged.all())
 
     def score(x: np.ndarray) -> float:
         return psnr(np.clip(x, 0, 1)[2:-2, 2:-2], hr[2:-2, 2:-2])
 
-    assert score(prediction.output[0, 0].double().numpy()) >= score(up64(y, 2)) + 0.3
+    scores = []
+    for model in (resolver, served):
+        prediction = model.predict(torch.from_numpy(y).float()[None, None], scale=2)
+        assert bool(prediction.stats.converged.all())
+        scores.append(score(prediction.output[0, 0].double().numpy()))
+    assert scores[0] >= score(up64(y, 2)) + 0.3
+    assert scores[1] >= scores[0]
 
 
 # ---------------------------------------------------------------------------- the task and its route
@@ -254,7 +273,7 @@ def small() -> np.ndarray:
 
 
 def test_super_resolve_route_enlarges_by_the_scale(
-    client: TestClient, resolver: SuperResolver, small: np.ndarray
+    client: TestClient, served: SuperResolver, small: np.ndarray
 ) -> None:
     r = client.post(
         "/super-resolve",
@@ -268,7 +287,7 @@ def test_super_resolve_route_enlarges_by_the_scale(
     out = decode(base64.b64decode(body["image"]))
     assert out.size == (54, 42) and out.mode == "L"
     # the model's own output, in 8 bits
-    expected = resolver.predict(torch.from_numpy(small / 255.0)[None, None].float(), scale=3).output
+    expected = served.predict(torch.from_numpy(small / 255.0)[None, None].float(), scale=3).output
     assert np.abs(np.asarray(out).astype(int) - to_uint8(expected[0, 0].double().numpy())).max() <= 1
     # the default scale is 2; PNG by default
     r = client.post("/super-resolve", files={"image": encode(small)})

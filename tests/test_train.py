@@ -14,10 +14,13 @@ from kdeq.checkpoint import load_checkpoint
 from kdeq.cli import main as kdeq_main
 from kdeq.denoise import Denoiser
 from kdeq.initialize import DEFAULT_SPECS, init_tensors
+from kdeq.operators import Blur, BlurSubsample
 from kdeq.predictor import SolverOverride
+from kdeq.psf import bicubic_taps, parse_psf
 from kdeq.repository import load_predictor
 from kdeq.spectral import circular_spectral_norm
 from kdeq.tasks import TASKS, Task
+from kdeq.tasks.super_resolve import degrade
 from kdeq.train import TrainConfig, TrainingError, train
 from kdeq.train import init_compare as ic
 from kdeq.train.data import (
@@ -29,6 +32,7 @@ from kdeq.train.data import (
     load_images,
     pixel_mask,
     sample_generator,
+    step_generator,
     stroke_mask,
     validation_set,
 )
@@ -179,9 +183,15 @@ def test_the_trainable_start_is_the_shipped_model(name: str) -> None:
     spec = SPECS[name]
     task = TASKS[spec.task]
     model = TrainableModel(spec, start_tensors(spec, "kglm", 0), torch.device("cpu"))
-    shipped = load_predictor(ROOT / "models" / name / "1")
+    shipped = load_predictor(ROOT / "models" / name / str(spec.version))
     clean = torch.rand(2, 1, 20, 24, generator=torch.Generator().manual_seed(1))
-    examples = [task.corrupt(x, sample_generator(1, 0, i), Corruption()) for i, x in enumerate(clean)]
+    # one step's examples: what the predictor takes once per call (a PSF, a scale) is shared
+    examples = [
+        task.corrupt(
+            x, sample_generator(1, 0, i), Corruption(sigma=(2.0, 10.0)), shared=step_generator(1, 0, 0)
+        )
+        for i, x in enumerate(clean)
+    ]
     batch = torch.utils.data.default_collate(examples)
     with torch.inference_mode():
         ours = model.run(batch).output
@@ -249,6 +259,53 @@ def test_denoise_corruption_has_the_drawn_noise_level() -> None:
     assert float((ex["noisy"] - clean).std()) * 255 == pytest.approx(float(ex["sigma"]), rel=0.05)
 
 
+def test_a_steps_samples_share_what_the_predictor_takes_once() -> None:
+    """Samples of one step (``group`` indices, past ``length`` too) share their PSF (deblur) and scale
+    (super-resolve); other steps draw their own."""
+    images = [torch.rand(1, 50, 60, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    settings = Corruption(sigma=(1.0, 5.0), scales=(2, 3, 4))
+    deblur = PatchDataset(images, 24, TASKS["deblur"], settings, 10, seed=5, group=4)
+    sr = PatchDataset(images, 24, TASKS["super-resolve"], settings, 10, seed=5, group=4)
+    psfs, scales = [], []
+    for step in range(6):  # 24 indices for 10 samples: the epoch wraps
+        batch = torch.utils.data.default_collate([deblur[i] for i in range(4 * step, 4 * step + 4)])
+        assert TASKS["deblur"].predictor_inputs(batch)[1].shape[-1] % 2 == 1
+        psfs.append(batch["psf"][0])
+        batch = torch.utils.data.default_collate([sr[i] for i in range(4 * step, 4 * step + 4)])
+        scales.append(TASKS["super-resolve"].predictor_inputs(batch)[1])
+    assert len({tuple(p.flatten().tolist()) for p in psfs}) > 1 and len(set(scales)) > 1
+    # a wrapped index is its sample's twin, except for what its own step shares
+    a, b = deblur[1], deblur[11]
+    torch.testing.assert_close(a["target"], b["target"], rtol=0, atol=0)
+    line = parse_psf("motion:5")
+    mixed = {"blurred": torch.rand(2, 1, 8, 8), "psf": torch.stack([line, line.T]), "sigma": torch.ones(2)}
+    with pytest.raises(ValueError, match="shares one PSF"):
+        TASKS["deblur"].predictor_inputs(mixed)
+
+
+def test_deblur_examples_are_blurred_by_their_psf_with_the_drawn_noise() -> None:
+    clean = torch.rand(1, 96, 96, generator=torch.Generator().manual_seed(2))
+    settings = Corruption(sigma=(20.0, 30.0), psfs=("gaussian:1.6", "motion:9,90"))
+    ex = TASKS["deblur"].corrupt(clean, sample_generator(0, 0, 0), settings, shared=step_generator(0, 0, 0))
+    assert any(torch.equal(ex["psf"], parse_psf(name)) for name in settings.psfs)
+    noise = ex["blurred"] - Blur(ex["psf"], "symmetric").forward(clean[None])[0]
+    assert 20.0 <= float(ex["sigma"]) <= 30.0
+    assert float(noise.std()) * 255 == pytest.approx(float(ex["sigma"]), rel=0.05)
+    val = TASKS["deblur"].corrupt(clean, sample_generator(0, -1, 0), settings, level=1.0)
+    assert torch.equal(val["psf"], parse_psf("motion:9,90")) and float(val["sigma"]) == 25.0
+
+
+def test_super_resolve_examples_are_the_bicubic_degradation_of_a_cropped_target() -> None:
+    clean = torch.rand(1, 50, 49, generator=torch.Generator().manual_seed(3))
+    ex = TASKS["super-resolve"].corrupt(clean, sample_generator(0, -1, 0), Corruption(), level=3.0)
+    assert ex["target"].shape == (1, 48, 48) and int(ex["scale"]) == 3
+    torch.testing.assert_close(ex["target"], clean[:, :48, :48], rtol=0, atol=0)
+    taps, offset = bicubic_taps(3)
+    want = BlurSubsample(taps, offset, 3, "symmetric").forward(ex["target"][None])[0]
+    torch.testing.assert_close(ex["low"], want)
+    assert ex["low"].shape == (1, 16, 16)
+
+
 def test_masks_have_their_kind() -> None:
     gen = sample_generator(1, 0, 0)
     pixels = pixel_mask((200, 200), 0.3, gen)
@@ -311,14 +368,25 @@ def test_training_writes_a_checkpoint_the_service_loads(folders, tmp_path: Path)
     assert sum(scores) / len(scores) == pytest.approx(best["val_psnr"], abs=1e-3)
 
 
-@pytest.mark.parametrize(("task", "score"), [("inpaint", "val_psnr"), ("segment", "val_iou")])
-def test_inpainting_and_segmentation_train(folders, tmp_path: Path, task: str, score: str) -> None:
+@pytest.mark.parametrize(
+    ("task", "score", "levels"),
+    [
+        ("inpaint", "val_psnr", (0, 1, 2)),  # one validation score per mask kind
+        ("segment", "val_iou", ()),
+        ("deblur", "val_psnr", (0, 1)),  # per PSF
+        ("super-resolve", "val_psnr", (2, 4)),  # per scale
+    ],
+)
+def test_the_other_tasks_train(folders, tmp_path: Path, task: str, score: str, levels: tuple) -> None:
     out = tmp_path / task / "1"
-    train(small_config(folders, out, task=task, spec=f"{task}-kglm", epochs=1, val_levels=()))
+    changes = {
+        "deblur": {"psfs": ("gaussian:1", "motion:5"), "patch_size": 16, "sigma": (1.0, 8.0)},
+        "super-resolve": {"scales": (2, 4)},
+    }.get(task, {})
+    train(small_config(folders, out, task=task, spec=f"{task}-kglm", epochs=1, val_levels=(), **changes))
     metrics = json.loads((out / "report" / "metrics.json").read_text())
     assert set(metrics["epochs"][1]) >= {score, "train_loss", "train_iterations", "rollbacks"}
-    if task == "inpaint":  # one validation score per mask kind
-        assert {f"val_psnr@{k}" for k in (0, 1, 2)} <= set(metrics["epochs"][1])
+    assert {f"val_psnr@{k}" for k in levels} <= set(metrics["epochs"][1])
     assert load_predictor(out).task == task
 
 
@@ -407,6 +475,15 @@ def test_cli_refuses_bad_settings(folders, tmp_path: Path, capsys: pytest.Captur
     bad = [*base, "--task", "segment", "--out", str(tmp_path / "d" / "1"), "--val-levels", "0.6"]
     assert kdeq_main(bad) == 2
     assert "label-flip fraction" in capsys.readouterr().err
+    bad = [*base, "--task", "deblur", "--out", str(tmp_path / "d" / "1"), "--psfs", "gaussian:1", "box:3"]
+    assert kdeq_main(bad) == 2
+    assert "psfs:" in capsys.readouterr().err
+    bad = [*base, "--task", "super-resolve", "--out", str(tmp_path / "d" / "1"), "--scales", "2", "5"]
+    assert kdeq_main(bad) == 2
+    assert "scales must be among [2, 3, 4]" in capsys.readouterr().err
+    bad = [*base, "--task", "super-resolve", "--out", str(tmp_path / "d" / "1"), "--val-levels", "5"]
+    assert kdeq_main(bad) == 2
+    assert "a super-resolve level is a scale" in capsys.readouterr().err
     assert (
         kdeq_main([*base, "--task", "denoise", "--out", str(tmp_path / "e" / "1"), "--patch-size", "96"]) == 2
     )
@@ -520,6 +597,23 @@ def test_the_learned_mean_inpainter_beats_its_start_on_set12() -> None:
             - psnr(a.output.clamp(0, 1), clean, missing).item()
         )
     assert min(gains) > 0.5, gains
+
+
+@pytest.mark.skipif(not SET12.is_dir(), reason="needs ../shared/data/Set12")
+def test_the_learned_mean_super_resolver_beats_its_start_on_set12() -> None:
+    """``super-resolve-kglm:2`` against its kGLM start ``:1`` on the first four Set12 images at ×2:
+    PSNR with a 2-pixel border cropped, every solve converged."""
+    start = load_predictor(ROOT / "models" / "super-resolve-kglm" / "1")
+    tuned = load_predictor(ROOT / "models" / "super-resolve-kglm" / "2")
+    gains = []
+    for path in sorted(SET12.glob("*.png"))[:4]:
+        clean = load_images([path], 1)[0][None]
+        low = degrade(clean, 2)
+        a, b = start.predict(low, 2), tuned.predict(low, 2)
+        assert a.stats.converged.all() and b.stats.converged.all()
+        crop = (..., slice(2, -2), slice(2, -2))
+        gains.append(psnr(b.output[crop], clean[crop]).item() - psnr(a.output[crop], clean[crop]).item())
+    assert min(gains) > 0.3, gains
 
 
 def test_the_learned_mean_segmenter_beats_its_start_at_sigma_1() -> None:

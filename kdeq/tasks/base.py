@@ -241,11 +241,18 @@ class Task:
         return tuple(h for h in TRAINING_HOOKS if getattr(type(self), h) is getattr(Task, h))
 
     def corrupt(
-        self, clean: torch.Tensor, gen: torch.Generator, settings: Corruption, level: float | None = None
+        self,
+        clean: torch.Tensor,
+        gen: torch.Generator,
+        settings: Corruption,
+        level: float | None = None,
+        shared: torch.Generator | None = None,
     ) -> dict[str, torch.Tensor]:
         """One example from the clean patch ``clean`` ``(c, H, W)`` in [0, 1]: ``target`` and the
         predictor's inputs (``predictor_inputs`` reads them, collated), drawn from ``gen`` within the
-        run's ``settings``, or at the validation ``level`` (``val_levels``) when given.
+        run's ``settings``, or at the validation ``level`` (``val_levels``) when given. ``shared``
+        (training only) gives the same draws to every sample of a step: what the predictor takes
+        once per call (a PSF, a scale) is drawn from it.
 
         A run's samples, and so its resumption, are these draws in this order: a change to either
         makes runs that were saved resume differently."""
@@ -279,6 +286,15 @@ class Task:
         """The input ``(c, H, W)`` the training report shows for one of ``corrupt``'s examples: by
         default the predictor's first argument."""
         return self.predictor_inputs({k: v[None] for k, v in example.items()})[0][0]
+
+
+def check_index_level(level: float, task: str, field: str, choices: Sequence[object]) -> None:
+    """``ValueError`` unless the validation ``level`` indexes ``choices`` (the run's ``field``)."""
+    if not (float(level).is_integer() and 0 <= level < len(choices)):
+        raise ValueError(
+            f"val level {level:g}: a {task} level is an index into {field} {list(choices)}, "
+            f"0 to {len(choices) - 1}"
+        )
 
 
 def noise_levels(requests: Sequence[Request]) -> list[float] | None:

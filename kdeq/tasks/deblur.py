@@ -13,12 +13,17 @@ a symmetric-border kernel, ``H K Hᵀ`` is diagonal in the DCT-II and the solve 
 
 With the adaptive kernel (a ``guided`` architecture, DESIGN §2.5) the same regression is solved
 twice: first with a flat guide, where the normalised kernel is the stationary ``k_s/Σk_s`` (the
-*pilot* ``p``, a symmetric border: one transform for an even PSF), then with
+first solve ``f₀``, a symmetric border: one transform for an even PSF), then with
 ``K̃ = D^{-1/2} K D^{-1/2}`` for ``k(x, x') = k_s(x − x')·exp(−‖g(x) − g(x')‖²/2h²)`` on patches
-of the smoothed pilot ``g``, ``h²`` from the pilot's own estimated noise (the deconvolution
-amplifies the observations'), and ``K̃``'s local average ``D⁻¹K p`` as the mean (CG, a handful of
+of the smoothed ``g = G∗f₀``, ``h²`` from the guide's own estimated noise (the deconvolution
+amplifies the observations'), and ``K̃``'s local average ``D⁻¹K f₀`` as the mean (CG, a handful of
 iterations). The kernel follows the image's edges, so the second solve sharpens them without
-ringing across them. The statistics are the second solve's, with both solves' iterations.
+ringing across them. The statistics are the second solve's, with both solves' iterations; the
+prediction's ``pilot`` is ``f₀``.
+
+With a network (``kdeq.guidenet``, ``condition = "sigma"``) its pilot ``p`` of ``f₀`` is the guide
+and, mixed by ``β``, the mean ``(1 − β)·D⁻¹K f₀ + β·p``: the denoiser's network, removing what the
+deconvolution left. At the kGLM start (``p = G∗f₀``, ``β = 0``) the model is the one without.
 
 The PSF is named (``gaussian:SIGMA``, ``disk:RADIUS``, ``motion:LENGTH[,ANGLE_DEGREES]``,
 ``kdeq.psf.parse_psf``) or uploaded as an image (odd sides, at most ``kdeq.psf.MAX_PSF_SIDE``,
@@ -35,13 +40,14 @@ import torch
 from pydantic import Field
 
 from kdeq.adaptive import GuidedMap, GuidedOperator, weight_budget
-from kdeq.checkpoint import Checkpoint, GuidedArchitecture, ModelSpec
+from kdeq.checkpoint import Checkpoint, GuidedArchitecture, ModelSpec, NoiseLambda
 from kdeq.filters import separable_blur
+from kdeq.guidenet import pilot
 from kdeq.noise import estimate_sigma
 from kdeq.operators import Blur, KernelMap, solve_observed
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.psf import MAX_PSF_SIDE, check_psf, parse_psf
-from kdeq.solvers import SolverStats
+from kdeq.solvers import SolverConfig, SolverStats
 from kdeq.tasks import register_task
 from kdeq.tasks.base import (
     FileInput,
@@ -51,17 +57,22 @@ from kdeq.tasks.base import (
     Request,
     ResultField,
     Task,
+    check_index_level,
     noise_levels,
 )
+from kdeq.train.data import Corruption, uniform
 
 
 class Deblurrer(Predictor):
     """Gaussian kGLM deblurrer; see the module docstring."""
 
     task = "deblur"
+    reads = frozenset({"w1", "spatial", "smoothing"})
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
         super().__init__(checkpoint, device)
+        #: factor on the guided kernel's bandwidth ``h`` (learned by the trainer, 1 when loaded)
+        self.bandwidth_scale: float | torch.Tensor = 1.0
         #: bytes the guided kernel's weight maps may take before they are recomputed per use
         self.weight_budget = weight_budget(self.device)
 
@@ -76,32 +87,76 @@ class Deblurrer(Predictor):
         sum 1 here); ``sigma`` the noise level on the 0–255 scale, scalar or ``(B,)``, estimated per
         image when ``None``. ``output`` is ``f`` ``(B, c, H, W)``."""
         x = self.images(images)
-        h = check_psf(psf.detach().cpu() if isinstance(psf, torch.Tensor) else psf).to(self.device)
+        blur = self._blur(psf)
         s = self.noise_level(x, sigma)
         lam = self.lam(s)
         cfg = self.solver(solver)
-        blur = Blur(h, "symmetric" if self.guided else self.config.architecture.padding)
         if not self.guided:
             kernel = KernelMap(self.tensors["w1"], torch.ones_like(lam), self.config.architecture.padding)
             f, stats = solve_observed(blur, kernel, x, lam, self.mean(x), cfg)
             return Prediction(f, stats, lam, sigma=s * 255.0)
-        # the pilot: the same model with a flat guide, whose normalised kernel is k_s/Σk_s
-        spatial = self.tensors["spatial"]
-        flat = KernelMap((spatial / spatial.sum())[None, None], torch.ones_like(lam), "symmetric")
-        pilot, first = solve_observed(
-            blur, flat, x, lam, x.mean(dim=(-2, -1), keepdim=True).expand_as(x), cfg
-        )
+        f0, first = self._first(blur, x, lam, cfg)
         kern = self.config.architecture.kernel
-        guide = separable_blur(pilot, self.tensors["smoothing"])
-        # the pilot's own noise (the deconvolution amplifies the observations'), per image
-        h2 = kern.h2(x.shape[1], estimate_sigma(guide))
-        op = GuidedOperator(guide, spatial, kern.patch_radius, h2, kern.normalize, self.weight_budget)
-        mean = op.kernel(pilot) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
+        guide, learned = self._guide(f0, s)
+        # the guide's own noise (the deconvolution amplifies the observations'), per image
+        h2 = kern.h2(x.shape[1], estimate_sigma(guide)) * self.bandwidth_scale**2
+        op = GuidedOperator(
+            guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget
+        )
+        mean = op.kernel(f0) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
+        if learned is not None:
+            beta = self.tensors["net_mean_mix"]
+            mean = beta * learned + (1 - beta) * mean
         f, stats = solve_observed(blur, GuidedMap(op, torch.ones_like(lam)), x, lam, mean, cfg)
         stats = SolverStats(
             stats.iterations + first.iterations, stats.residual, stats.converged & first.converged
         )
-        return Prediction(f, stats, lam, sigma=s * 255.0, pilot=pilot)
+        return Prediction(f, stats, lam, sigma=s * 255.0, pilot=f0 if learned is None else learned)
+
+    def pilot_only(
+        self,
+        images: torch.Tensor,
+        psf: torch.Tensor,
+        sigma: float | Sequence[float] | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The network's pilot ``p`` ``(B, c, H, W)`` alone, on the first solve (the trainer's pilot
+        phase; the solve is not differentiated); arguments as ``forward``'s."""
+        if not self.guided or self.config.architecture.net is None:
+            raise ValueError(f"{self.name} has no network")
+        x = self.images(images)
+        s = self.noise_level(x, sigma)
+        with torch.no_grad():
+            f0, _ = self._first(self._blur(psf), x, self.lam(s), self.solver(None))
+        return self._guide(f0, s)[1]
+
+    def _blur(self, psf: torch.Tensor | np.ndarray) -> Blur:
+        """``H`` for ``psf`` ``(k, k)`` (normalised to sum 1) under the model's border rule."""
+        h = check_psf(psf.detach().cpu() if isinstance(psf, torch.Tensor) else psf).to(self.device)
+        return Blur(h, "symmetric" if self.guided else self.config.architecture.padding)
+
+    def _first(
+        self, blur: Blur, x: torch.Tensor, lam: torch.Tensor, cfg: SolverConfig
+    ) -> tuple[torch.Tensor, SolverStats]:
+        """The first solve ``f₀`` ``(B, c, H, W)``: the same regression with a flat guide, whose
+        normalised kernel is ``k_s/Σk_s`` (symmetric border), around the images' global means."""
+        spatial = self.tensors["spatial"]
+        flat = KernelMap((spatial / spatial.sum())[None, None], torch.ones_like(lam), "symmetric")
+        return solve_observed(blur, flat, x, lam, x.mean(dim=(-2, -1), keepdim=True).expand_as(x), cfg)
+
+    def _guide(self, first: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The second solve's guide ``g`` and the network's pilot ``p`` (``None`` without one),
+        ``(B, c, H, W)``, from the first solve ``f₀`` of images at noise levels ``s`` ``(B,)`` in [0, 1]
+        units: ``g = G∗f₀`` without a network; with one, ``p`` of ``f₀`` (``kdeq.guidenet.pilot``,
+        ``σ`` floored as ``λ``'s rule floors it) and ``g = p``, not differentiated (the network learns
+        through the mean and its own loss, as the denoiser's)."""
+        smooth = separable_blur(first, self.tensors["smoothing"])
+        net = self.config.architecture.net
+        if net is None:
+            return smooth, None
+        rule = self.config.lam
+        level = s.clamp(min=rule.min_sigma / 255.0) if isinstance(rule, NoiseLambda) else s
+        learned = pilot(first, smooth, level, self.tensors, net)
+        return learned.detach(), learned
 
     @property
     def guided(self) -> bool:
@@ -139,6 +194,7 @@ class Deblur(Task):
     fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
 
     architectures = ("conv", "guided")
+    network = "sigma"
 
     def check_spec(self, spec: ModelSpec) -> None:
         super().check_spec(spec)
@@ -205,3 +261,47 @@ class Deblur(Task):
         rng = np.random.default_rng(0)
         image = rng.random((1, size, size), dtype=np.float32)
         return Request(image, self.options(psf="gaussian:1.6"), {"psf": parse_psf("gaussian:1.6").numpy()})
+
+    def corrupt(
+        self,
+        clean: torch.Tensor,
+        gen: torch.Generator,
+        settings: Corruption,
+        level: float | None = None,
+        shared: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """``blurred = h * clean + σn`` ``(c, H, W)`` (``kdeq.operators.Blur``, symmetric border; the
+        service's blur model), ``n ~ N(0, I)``: the PSF ``h`` (also the example's ``psf``) drawn from
+        ``settings.psfs`` by ``shared`` (one per step: the predictor takes one per call), or the one
+        the validation ``level`` indexes; ``σ`` (0–255, the example's ``sigma``) drawn from
+        ``settings.sigma``, the range's middle for validation; clipped to [0, 1] with
+        ``settings.clip``."""
+        if level is None:
+            draw = gen if shared is None else shared
+            name = settings.psfs[int(torch.randint(len(settings.psfs), (), generator=draw))]
+            s = uniform(gen, *settings.sigma)
+        else:
+            name, s = settings.psfs[int(level)], sum(settings.sigma) / 2
+        psf = parse_psf(name)
+        blurred = Blur(psf, "symmetric").forward(clean[None])[0]
+        blurred = blurred + (s / 255.0) * torch.randn(clean.shape, generator=gen)
+        if settings.clip:
+            blurred = blurred.clamp(0, 1)
+        return {"target": clean, "blurred": blurred, "psf": psf, "sigma": torch.tensor(s)}
+
+    def predictor_inputs(
+        self, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(blurred, psf, sigma)``: the images ``(B, c, H, W)``, the batch's one PSF ``(k, k)`` and
+        the noise levels ``(B,)``, given."""
+        psf = batch["psf"]
+        if not bool((psf == psf[:1]).all()):
+            raise ValueError("a deblur batch shares one PSF (Task.corrupt's shared draw)")
+        return batch["blurred"], psf[0], batch["sigma"]
+
+    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
+        """Every PSF of the run, at the middle of its noise range."""
+        return tuple(float(i) for i in range(len(settings.psfs)))
+
+    def check_level(self, level: float, settings: Corruption) -> None:
+        check_index_level(level, "deblur", "psfs", settings.psfs)

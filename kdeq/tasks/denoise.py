@@ -55,7 +55,12 @@ class Denoise(Task):
         return prediction.output[index], {"sigma": float(prediction.sigma[index])}
 
     def corrupt(
-        self, clean: torch.Tensor, gen: torch.Generator, settings: Corruption, level: float | None = None
+        self,
+        clean: torch.Tensor,
+        gen: torch.Generator,
+        settings: Corruption,
+        level: float | None = None,
+        shared: torch.Generator | None = None,
     ) -> dict[str, torch.Tensor]:
         """``noisy = clean + σn``, ``n ~ N(0, I)``, with ``σ`` (0–255, also the example's ``sigma``) drawn
         from ``settings.sigma`` or the validation ``level``; clipped to [0, 1] with ``settings.clip``."""

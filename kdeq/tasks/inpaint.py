@@ -11,7 +11,7 @@ from kdeq.checkpoint import ModelSpec
 from kdeq.inpaint import Inpainter
 from kdeq.predictor import Prediction, SolverOverride, pad_images
 from kdeq.tasks import register_task
-from kdeq.tasks.base import FileInput, InputError, Options, Request, Task
+from kdeq.tasks.base import FileInput, InputError, Options, Request, Task, check_index_level
 from kdeq.train.data import Corruption, make_mask
 from kdeq.train.objectives import psnr
 
@@ -93,7 +93,12 @@ class Inpaint(Task):
         return Request(image, self.options(), {"missing": rng.random((1, size, size)) < 0.3})
 
     def corrupt(
-        self, clean: torch.Tensor, gen: torch.Generator, settings: Corruption, level: float | None = None
+        self,
+        clean: torch.Tensor,
+        gen: torch.Generator,
+        settings: Corruption,
+        level: float | None = None,
+        shared: torch.Generator | None = None,
     ) -> dict[str, torch.Tensor]:
         """A mask ``missing`` ``(1, H, W)`` of a kind drawn from ``settings.mask_kinds`` (``pixels``
         masks miss a fraction drawn from ``settings.missing``), or of the kind the validation
@@ -124,11 +129,7 @@ class Inpaint(Task):
         return tuple(float(i) for i in range(len(settings.mask_kinds)))
 
     def check_level(self, level: float, settings: Corruption) -> None:
-        if not (float(level).is_integer() and 0 <= level < len(settings.mask_kinds)):
-            raise ValueError(
-                f"val level {level:g}: an inpaint level is an index into mask_kinds "
-                f"{list(settings.mask_kinds)}, 0 to {len(settings.mask_kinds) - 1}"
-            )
+        check_index_level(level, "inpaint", "mask_kinds", settings.mask_kinds)
 
     def shown_input(self, example: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The image with its missing pixels black."""

@@ -72,7 +72,12 @@ class Segment(Task):
         return out, {"threshold": float(prediction.threshold[index])}
 
     def corrupt(
-        self, clean: torch.Tensor, gen: torch.Generator, settings: Corruption, level: float | None = None
+        self,
+        clean: torch.Tensor,
+        gen: torch.Generator,
+        settings: Corruption,
+        level: float | None = None,
+        shared: torch.Generator | None = None,
     ) -> dict[str, torch.Tensor]:
         """The target ``t = [x̄ > τ]`` ``(1, H, W)`` (``x̄`` the patch's luminance, ``τ`` its Otsu
         threshold); the input ``noisy``: ``t`` with a fraction of its labels flipped, drawn from

@@ -9,11 +9,13 @@ low-resolution image is ``y = S H f`` and the super-resolver is kernel ridge reg
 
 with the prior mean ``m`` the bicubic interpolation of ``y`` (``upsample``): the output is that
 interpolation corrected, through the kernel, until its degradation reproduces ``y`` up to ``λ``.
+With a network (``kdeq.guidenet``, ``condition = "scale"``) the mean is its pilot
+``p = u + N_θ(u − ū, 1/s)`` on the interpolation ``u``, corrected the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -21,11 +23,14 @@ import torch
 from pydantic import Field
 
 from kdeq.checkpoint import ModelSpec
+from kdeq.guidenet import upscale_pilot
 from kdeq.operators import BlurSubsample, KernelMap, mirror, solve_observed
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.psf import SR_SCALES, bicubic_taps, keys_cubic
 from kdeq.tasks import register_task
 from kdeq.tasks.base import Options, Request, Task
+from kdeq.train.data import Corruption
+from kdeq.train.objectives import psnr
 
 
 def interpolation_matrix(n: int, scale: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -43,6 +48,13 @@ def interpolation_matrix(n: int, scale: int, dtype: torch.dtype = torch.float32)
     return out.to(dtype)
 
 
+def degrade(x: torch.Tensor, scale: int) -> torch.Tensor:
+    """``S H x`` ``(B, c, H/s, W/s)`` for ``x`` ``(B, c, H, W)`` (sides multiples of ``s``): MATLAB's
+    ``imresize(x, 1/s, 'bicubic')``, the model's forward operator."""
+    taps, offset = bicubic_taps(scale, dtype=x.dtype)
+    return BlurSubsample(taps.to(x.device), offset, scale, "symmetric").forward(x)
+
+
 def upsample(y: torch.Tensor, scale: int) -> torch.Tensor:
     """Bicubic interpolation ``(B, c, s·h, s·w)`` of ``y`` ``(B, c, h, w)`` (``interpolation_matrix``)."""
     rows = interpolation_matrix(y.shape[-2], scale, y.dtype).to(y.device)
@@ -54,6 +66,7 @@ class SuperResolver(Predictor):
     """Gaussian kGLM super-resolver; see the module docstring."""
 
     task = "super-resolve"
+    reads = frozenset({"w1"})
 
     def forward(
         self, images: torch.Tensor, scale: int = 2, solver: SolverOverride | None = None
@@ -65,8 +78,26 @@ class SuperResolver(Predictor):
         op = BlurSubsample(taps.to(self.device), offset, scale, "symmetric")
         lam = self.lam(torch.zeros(y.shape[0], device=self.device))
         kernel = KernelMap(self.tensors["w1"], torch.ones_like(lam), self.config.architecture.padding)
-        f, stats = solve_observed(op, kernel, y, lam, upsample(y, scale), self.solver(solver))
-        return Prediction(f, stats, lam)
+        pilot = self._pilot(y, scale)
+        mean = upsample(y, scale) if pilot is None else pilot
+        f, stats = solve_observed(op, kernel, y, lam, mean, self.solver(solver))
+        return Prediction(f, stats, lam, pilot=pilot)
+
+    def pilot_only(self, images: torch.Tensor, scale: int = 2) -> torch.Tensor:
+        """The network's pilot ``p`` ``(B, c, s·h, s·w)`` alone, without the solve (the trainer's
+        pilot phase)."""
+        pilot = self._pilot(self.images(images), scale)
+        if pilot is None:
+            raise ValueError(f"{self.name} has no network")
+        return pilot
+
+    def _pilot(self, y: torch.Tensor, scale: int) -> torch.Tensor | None:
+        """``p = u + N_θ(u − ū, 1/s)`` (``kdeq.guidenet.upscale_pilot``) for ``u`` the interpolation
+        of ``y``, the prior mean; ``None`` without a network."""
+        net = self.config.architecture.net
+        if net is None:
+            return None
+        return upscale_pilot(upsample(y, scale), scale, self.tensors, net)
 
 
 class SuperResolveOptions(Options):
@@ -83,6 +114,7 @@ class SuperResolve(Task):
     summary = "Enlarge an image 2, 3 or 4 times"
     predictor = SuperResolver
     options = SuperResolveOptions
+    network = "scale"
 
     def check_spec(self, spec: ModelSpec) -> None:
         super().check_spec(spec)
@@ -122,3 +154,46 @@ class SuperResolve(Task):
         rng = np.random.default_rng(0)
         small = max(2, size // max(SR_SCALES))
         return Request(rng.random((1, small, small), dtype=np.float32), self.options(scale=max(SR_SCALES)))
+
+    def corrupt(
+        self,
+        clean: torch.Tensor,
+        gen: torch.Generator,
+        settings: Corruption,
+        level: float | None = None,
+        shared: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """``low = S H target`` ``(c, H/s, W/s)``, the bicubic degradation (``degrade``), of
+        ``target``, ``clean`` cropped to a multiple of ``s``; the scale ``s`` (the example's
+        ``scale``) drawn from ``settings.scales`` by ``shared`` (one per step: the predictor takes
+        one per call), or the validation ``level`` itself. No noise, as in the field's protocol."""
+        if level is None:
+            draw = gen if shared is None else shared
+            s = settings.scales[int(torch.randint(len(settings.scales), (), generator=draw))]
+        else:
+            s = int(level)
+        h, w = clean.shape[-2:]
+        target = clean[:, : h - h % s, : w - w % s]
+        return {"target": target, "low": degrade(target[None], s)[0], "scale": torch.tensor(s)}
+
+    def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """``(low, scale)``: the low-resolution images ``(B, c, h, w)`` and the batch's one scale."""
+        scale = batch["scale"]
+        if not bool((scale == scale[:1]).all()):
+            raise ValueError("a super-resolve batch shares one scale (Task.corrupt's shared draw)")
+        return batch["low"], int(scale[0])
+
+    def score(self, out: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """PSNR with a ``scale``-pixel border cropped (the field's convention)."""
+        s = int(batch["scale"][0])
+        return psnr(out[..., s:-s, s:-s], batch["target"][..., s:-s, s:-s])
+
+    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
+        """Every scale of the run."""
+        return tuple(float(s) for s in settings.scales)
+
+    def check_level(self, level: float, settings: Corruption) -> None:
+        if level not in SR_SCALES:
+            raise ValueError(
+                f"val level {level:g}: a super-resolve level is a scale, one of {list(SR_SCALES)}"
+            )

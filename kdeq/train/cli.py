@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from kdeq.checkpoint import CheckpointError
 from kdeq.tasks import TASKS
 from kdeq.train.config import TrainConfig
-from kdeq.train.data import MASK_KINDS
+from kdeq.train.data import DEBLUR_PSFS, MASK_KINDS
 from kdeq.train.objectives import SquaredError
 
 
@@ -49,6 +49,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-kinds", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS))
     p.add_argument("--missing", type=_pair, default=(0.2, 0.9), metavar="LO,HI")
     p.add_argument("--flip", type=float, default=0.1, help="largest label-flip fraction (segment)")
+    p.add_argument(
+        "--psfs", nargs="+", default=list(DEBLUR_PSFS), metavar="PSF", help="blurs drawn per step (deblur)"
+    )
+    p.add_argument(
+        "--scales",
+        nargs="+",
+        type=int,
+        default=[2, 3, 4],
+        metavar="S",
+        help="factors drawn per step (super-resolve)",
+    )
     p.add_argument("--train-tol", type=float)
     p.add_argument("--train-max-iter", type=int)
     p.add_argument("--eval-tol", type=float)
@@ -86,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     values["spec"] = args.spec or f"{args.task}-kglm"
     values["mask_kinds"] = tuple(args.mask_kinds)
+    values["psfs"], values["scales"] = tuple(args.psfs), tuple(args.scales)
     return TrainConfig.model_validate(values)
 
 

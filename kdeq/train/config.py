@@ -11,8 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kdeq.checkpoint import ModelSpec
 from kdeq.implicit import Backward
 from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS
+from kdeq.psf import SR_SCALES, parse_psf
 from kdeq.tasks import TASKS
-from kdeq.train.data import Corruption, MaskKind
+from kdeq.train.data import DEBLUR_PSFS, Corruption, MaskKind
 from kdeq.train.objectives import SquaredError
 
 
@@ -37,7 +38,10 @@ class TrainConfig(BaseModel):
         sigma, clip_noise: noise levels (0–255) drawn uniformly; clip noisy inputs to [0, 1].
         mask_kinds, missing: inpainting masks and the missing fraction of ``pixels`` masks.
         flip: largest label-flip fraction (segment).
-            These five are the run's ``corruption()``, which each task reads what it needs from.
+        psfs: named PSFs (``gaussian:SIGMA``, ``disk:RADIUS``, ``motion:LENGTH[,ANGLE]``) the blurs are
+            drawn from, one per step (deblur; a PSF not even in each axis makes every solve CG).
+        scales: factors drawn from, one per step (super-resolve; each in 2, 3, 4).
+            These seven are the run's ``corruption()``, which each task reads what it needs from.
         train_tol, train_max_iter: forward-solver settings while training (``None``: the model's).
         eval_tol, eval_max_iter: solver settings for validation (``None``: the model's).
         backward: ``implicit`` or ``jacobian_free`` gradients.
@@ -83,6 +87,8 @@ class TrainConfig(BaseModel):
     mask_kinds: tuple[MaskKind, ...] = ("pixels", "blocks", "strokes")
     missing: tuple[float, float] = (0.2, 0.9)
     flip: float = Field(0.1, ge=0, le=0.5)
+    psfs: tuple[str, ...] = Field(DEBLUR_PSFS, min_length=1)
+    scales: tuple[int, ...] = Field((2, 3, 4), min_length=1)
     train_tol: float | None = Field(None, gt=0)
     train_max_iter: int | None = Field(None, ge=1)
     eval_tol: float | None = Field(None, gt=0)
@@ -123,6 +129,13 @@ class TrainConfig(BaseModel):
                 raise ValueError(f"{name} must be a range lo ≤ hi within [0, {top:g}], got ({lo}, {hi})")
         if not self.mask_kinds:
             raise ValueError("mask_kinds needs at least one kind")
+        for name in self.psfs:
+            try:
+                parse_psf(name)
+            except ValueError as err:
+                raise ValueError(f"psfs: {err}") from None
+        if not set(self.scales) <= set(SR_SCALES):
+            raise ValueError(f"scales must be among {list(SR_SCALES)}, got {list(self.scales)}")
         settings = self.corruption()
         for level in self.val_levels:
             TASKS[self.task].check_level(level, settings)
@@ -153,7 +166,15 @@ class TrainConfig(BaseModel):
 
     def corruption(self) -> Corruption:
         """The corruption settings the task's examples are drawn within (labels flip by up to ``flip``)."""
-        return Corruption(self.sigma, self.clip_noise, self.mask_kinds, self.missing, (0.0, self.flip))
+        return Corruption(
+            self.sigma,
+            self.clip_noise,
+            self.mask_kinds,
+            self.missing,
+            (0.0, self.flip),
+            self.psfs,
+            self.scales,
+        )
 
     def levels(self) -> tuple[float, ...]:
         """``val_levels``, or the task's defaults (``Task.val_levels``)."""

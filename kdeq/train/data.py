@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
 MaskKind = Literal["pixels", "blocks", "strokes"]
 MASK_KINDS: tuple[MaskKind, ...] = ("pixels", "blocks", "strokes")
+#: the deblurrer's training blurs: PSFs even in each axis, which the model solves by transforms
+DEBLUR_PSFS: tuple[str, ...] = (
+    "gaussian:1",
+    "gaussian:1.6",
+    "gaussian:2.4",
+    "disk:2.5",
+    "motion:9",
+    "motion:15",
+)
 
 
 def image_files(directories: Sequence[str | Path]) -> list[Path]:
@@ -77,6 +86,13 @@ def check_patch_size(files: Sequence[Path], images: Sequence[torch.Tensor], size
 def sample_generator(seed: int, epoch: int, index: int) -> torch.Generator:
     """A generator seeded from ``(seed, epoch, index)`` (a hash, so neighbouring triples are unrelated)."""
     digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def step_generator(seed: int, epoch: int, step: int) -> torch.Generator:
+    """The generator of the draws every sample of one step shares (``sample_generator``'s hash, on a
+    key no sample's can equal)."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}/step/{step}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
 
@@ -169,6 +185,8 @@ class Corruption:
         mask_kinds: the inpainting mask kinds to draw from (uniformly).
         missing: range of the missing probability of ``pixels`` masks.
         flip: range of the fraction of flipped labels (segment).
+        psfs: named blur PSFs (``kdeq.psf.parse_psf``) to draw from, one per step (deblur).
+        scales: factors to draw from, one per step (super-resolve).
     """
 
     sigma: tuple[float, float] = (0.0, 55.0)
@@ -176,11 +194,16 @@ class Corruption:
     mask_kinds: tuple[MaskKind, ...] = MASK_KINDS
     missing: tuple[float, float] = (0.2, 0.9)
     flip: tuple[float, float] = (0.0, 0.1)
+    psfs: tuple[str, ...] = DEBLUR_PSFS
+    scales: tuple[int, ...] = (2, 3, 4)
 
 
 class PatchDataset(Dataset):
     """``length`` random patches per epoch from ``images``, corrupted by ``task`` within ``corruption``;
-    sample ``i`` of epoch ``e`` depends only on ``(seed, e, i)`` (call ``set_epoch``)."""
+    sample ``i`` of epoch ``e`` depends only on ``(seed, e, i mod length)`` (call ``set_epoch``), and
+    the draws its step shares (``Task.corrupt``'s ``shared``) on ``(seed, e, ⌊i/group⌋)``: ``group``
+    is the samples of one optimiser step over every rank, and a step's indices ``i`` run on past
+    ``length`` where the epoch's steps need more samples than it."""
 
     def __init__(
         self,
@@ -190,9 +213,10 @@ class PatchDataset(Dataset):
         corruption: Corruption,
         length: int,
         seed: int,
+        group: int = 1,
     ) -> None:
         self.images, self.size, self.task, self.corruption = list(images), size, task, corruption
-        self.length, self.seed, self.epoch = length, seed, 0
+        self.length, self.seed, self.epoch, self.group = length, seed, 0, group
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -201,9 +225,12 @@ class PatchDataset(Dataset):
         return self.length
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        gen = sample_generator(self.seed, self.epoch, index)
+        # an epoch's last step may wrap past ``length``: its samples repeat the first ones', its
+        # shared draws are its own
+        gen = sample_generator(self.seed, self.epoch, index % self.length)
         image = self.images[int(torch.randint(len(self.images), (), generator=gen))]
-        return self.task.corrupt(random_patch(image, self.size, gen), gen, self.corruption)
+        shared = step_generator(self.seed, self.epoch, index // self.group)
+        return self.task.corrupt(random_patch(image, self.size, gen), gen, self.corruption, shared=shared)
 
 
 def validation_set(

@@ -331,10 +331,12 @@ def _train(
     train_files = image_files(cfg.train)
     train_images = load_images(train_files, cfg.channels)
     check_patch_size(train_files, train_images, cfg.patch_size)
-    dataset = PatchDataset(train_images, cfg.patch_size, task, corruption, cfg.samples_per_epoch, cfg.seed)
+    per_step = cfg.batch_size * rank.world
+    dataset = PatchDataset(
+        train_images, cfg.patch_size, task, corruption, cfg.samples_per_epoch, cfg.seed, per_step
+    )
     val_images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
     val_set = validation_set(val_images[: cfg.val_limit], task, corruption, cfg.levels(), cfg.seed)
-    per_step = cfg.batch_size * rank.world
     steps_per_epoch = math.ceil(cfg.samples_per_epoch / per_step)
     total = steps_per_epoch * cfg.epochs
     # pilot-only epochs and the rest are two phases, each with its own warm-up and decay: the mean
@@ -369,7 +371,7 @@ def _train(
         dataset.set_epoch(epoch)
         indices = list(range(rank.rank, steps_per_epoch * per_step, rank.world))
         loader = DataLoader(
-            torch.utils.data.Subset(dataset, [i % cfg.samples_per_epoch for i in indices]),
+            torch.utils.data.Subset(dataset, indices),
             batch_size=cfg.batch_size,
             num_workers=cfg.workers,
             worker_init_fn=_worker_init,

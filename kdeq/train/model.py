@@ -19,6 +19,8 @@ constrained views of the parameters:
   bound as the noise level falls, so no fixed offset is safe at every σ. With a fixed ``λ`` they
   are relaxed as offsets, ``w2 = w1 + λΔ_w`` and ``v1 = v2 − λΔ_v`` with ``Δ = 0`` at the kGLM
   start, so a step in ``Δ`` moves the output by ``O(step)``, as a step in ``w2`` itself would not;
+- a bank the task's predictor does not read (``Predictor.reads``: the deblurrer and the
+  super-resolver read ``w1`` alone) is not learned;
 - the guide's smoothing taps (guided) are symmetric;
 - a guided model also learns ``log`` factors on ``λ`` and on the bandwidth ``h``
   (its normalised kernel is blind to the scale of ``spatial``, so ``λ`` needs its own);
@@ -136,7 +138,13 @@ class TrainableModel(nn.Module):
                 lam = spec.lam.value
                 raw["dw"], raw["dv"] = (w2 - raw["w1"]) / lam, (raw["v2"] - v1) / lam
         self.has_net = spec.architecture.net is not None
-        frozen_names = ("spatial", "smoothing") if self.guided and self.has_net else ()
+        frozen_names = {"spatial", "smoothing"} if self.guided and self.has_net else set()
+        reads = TASKS[spec.task].predictor.reads
+        if reads is not None:
+            # a bank the model never reads gets no gradient, which DistributedDataParallel waits for;
+            # a parameter is learned when a bank it makes (w2 = w1 + λΔw, v1 = v2 − λΔv) is read
+            makes = {"w1": {"w1", "w2"}, "dw": {"w2"}, "dv": {"v1"}, "v2": {"v1", "v2"}}
+            frozen_names |= {k for k in raw if not k.startswith("net_") and not makes.get(k, {k}) & reads}
         self.raw = nn.ParameterDict(
             {
                 k: nn.Parameter(v.to(device, torch.float32).clone(), requires_grad=k not in frozen_names)
@@ -213,7 +221,10 @@ class TrainableModel(nn.Module):
         if pilot_only:
             return self.pilot(inputs)
         pred = self.run(inputs, solver)
-        return pred.output, pred.stats.iterations, pred.stats.converged, pred.pilot
+        # a prediction may carry an intermediate image as its pilot (the deblurrer's first solve);
+        # only a network's pilot has a loss of its own
+        pilot = pred.pilot if self.has_net else None
+        return pred.output, pred.stats.iterations, pred.stats.converged, pilot
 
     def pilot(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         """The network's pilot alone as ``forward``'s output (no solve: 0 iterations, converged)."""
