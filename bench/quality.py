@@ -400,16 +400,12 @@ SR_SCALES = (2, 3, 4)
 
 def kdeq_downsample(hr: np.ndarray, scale: int) -> np.ndarray:
     """kdeq's super-resolution degradation of an ``H×W`` or ``H×W×C`` image (sides multiples of
-    ``scale``): ``BlurSubsample(*bicubic_taps(scale), scale, "symmetric").forward``, in float64."""
-    from kdeq.operators import BlurSubsample
-    from kdeq.psf import bicubic_taps
+    ``scale``): ``kdeq.tasks.super_resolve.degrade`` (the model's forward operator ``S H``), in float64."""
+    from kdeq.tasks.super_resolve import degrade
 
-    taps, offset = bicubic_taps(scale, dtype=torch.float64)
     x = torch.from_numpy(np.asarray(hr, dtype=np.float64))
-    x = (x[None] if x.dim() == 2 else x.permute(2, 0, 1))[None]
     with torch.no_grad():
-        out = BlurSubsample(taps, offset, scale, "symmetric").forward(x)
-    return to_numpy(out)
+        return to_numpy(degrade((x[None] if x.dim() == 2 else x.permute(2, 0, 1))[None], scale))
 
 
 def downsampler(reference: bool) -> tuple[Callable[[np.ndarray, int], np.ndarray], str]:

@@ -163,67 +163,46 @@ def _default(name: str) -> ModelSpec:
     return max((spec for spec in DEFAULT_SPECS if spec.name == name), key=lambda spec: spec.version)
 
 
+def _grown(base: str, description: str, net: GuideNet) -> ModelSpec:
+    """The latest default ``base`` with the network ``net`` added, named ``<base>-net``."""
+    spec = _default(base)
+    data = spec.model_dump()
+    data.update(name=f"{base}-net", description=description)
+    data["architecture"]["net"] = net.model_dump()
+    return ModelSpec.model_validate(data)
+
+
 #: grown architectures (``kdeq.guidenet``), trained from their kGLM start with ``kdeq train --spec NAME``
 GROWN_SPECS: tuple[ModelSpec, ...] = (
-    ModelSpec.model_validate(
-        {
-            **_default("denoise-kglm").model_dump(),
-            "name": "denoise-kglm-net",
-            "description": "Adaptive-kernel kGLM denoiser whose guide and mean come from a small learned "
-            "network (grey or colour, any size); σ given or estimated.",
-            "architecture": {
-                **_default("denoise-kglm").architecture.model_dump(),
-                "net": GuideNet().model_dump(),
-            },
-        }
+    _grown(
+        "denoise-kglm",
+        "Adaptive-kernel kGLM denoiser whose guide and mean come from a small learned network (grey or "
+        "colour, any size); σ given or estimated.",
+        GuideNet(),
     ),
-    ModelSpec.model_validate(
-        {
-            **_default("inpaint-kglm").model_dump(),
-            "name": "inpaint-kglm-net",
-            "description": "Kernel-ridge inpainting on the observed pixels (Matérn 5/2) around a mean from "
-            "a small learned network, known pixels kept.",
-            "architecture": {
-                **_default("inpaint-kglm").architecture.model_dump(),
-                "net": GuideNet(condition="mask").model_dump(),
-            },
-        }
+    _grown(
+        "inpaint-kglm",
+        "Kernel-ridge inpainting on the observed pixels (Matérn 5/2) around a mean from a small learned "
+        "network, known pixels kept.",
+        GuideNet(condition="mask"),
     ),
-    ModelSpec.model_validate(
-        {
-            **_default("segment-kglm").model_dump(),
-            "name": "segment-kglm-net",
-            "description": "Kernel logistic regression on the Otsu-binarised, smoothed image around a logit "
-            "mean from a small learned network that also reads the grey levels.",
-            "architecture": {
-                **_default("segment-kglm").architecture.model_dump(),
-                "net": GuideNet(condition="image").model_dump(),
-            },
-        }
+    _grown(
+        "segment-kglm",
+        "Kernel logistic regression on the Otsu-binarised, smoothed image around a logit mean from a "
+        "small learned network that also reads the grey levels.",
+        GuideNet(condition="image"),
     ),
-    ModelSpec.model_validate(
-        {
-            **_default("deblur-kglm").model_dump(),
-            "name": "deblur-kglm-net",
-            "description": "Adaptive-kernel kGLM deblurring whose guide and mean come from a small learned "
-            "network on the first, stationary solve (grey or colour); σ given or estimated.",
-            "architecture": {
-                **_default("deblur-kglm").architecture.model_dump(),
-                "net": GuideNet().model_dump(),
-            },
-        }
+    _grown(
+        "deblur-kglm",
+        "Adaptive-kernel kGLM deblurring whose guide and mean come from a small learned network on the "
+        "first, stationary solve (grey or colour); σ given or estimated.",
+        GuideNet(),
     ),
-    ModelSpec.model_validate(
-        {
-            **_default("super-resolve-kglm").model_dump(),
-            "name": "super-resolve-kglm-net",
-            "description": "Kernel ridge regression through the bicubic degradation around a mean from a "
-            "small learned network on the bicubic interpolation (×2, ×3, ×4).",
-            "architecture": {
-                **_default("super-resolve-kglm").architecture.model_dump(),
-                "net": GuideNet(condition="scale").model_dump(),
-            },
-        }
+    _grown(
+        "super-resolve-kglm",
+        "Kernel ridge regression through the bicubic degradation around a mean from a small learned "
+        "network on the bicubic interpolation (×2, ×3, ×4).",
+        GuideNet(condition="scale"),
     ),
 )
 

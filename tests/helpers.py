@@ -3,6 +3,7 @@
 import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kdeq.psf import parse_psf
@@ -56,6 +57,26 @@ def dense_operator(op, shape: tuple[int, ...]) -> torch.Tensor:
     n = math.prod(shape)
     basis = torch.eye(n, dtype=torch.float64).reshape(n, *shape)
     return op(basis).reshape(n, -1).T
+
+
+def mirror(i: int, n: int) -> int:
+    """The pixel of a length-``n`` axis that sample ``i`` of its symmetric extension (edge repeated,
+    period ``2n``) copies."""
+    i %= 2 * n
+    return 2 * n - 1 - i if i >= n else i
+
+
+def symmetric_correlation_matrix(taps: np.ndarray, h: int, w: int) -> np.ndarray:
+    """The ``(hw, hw)`` matrix of the correlation with centred ``taps`` on an ``h×w`` image whose border
+    is extended symmetrically, row-major pixels: written entry by entry, sharing no code with the library."""
+    rh, rw = taps.shape[0] // 2, taps.shape[1] // 2
+    out = np.zeros((h * w, h * w))
+    for r in range(h):
+        for c in range(w):
+            for a in range(-rh, rh + 1):
+                for b in range(-rw, rw + 1):
+                    out[r * w + c, mirror(r + a, h) * w + mirror(c + b, w)] += taps[a + rh, b + rw]
+    return out
 
 
 def denoise_batch(

@@ -29,6 +29,7 @@ from kdeq.tasks import TASKS, Request, solve_batch
 from kdeq.tasks.deblur import Deblurrer
 from service.app import create_app
 from service.settings import Settings
+from tests.helpers import symmetric_correlation_matrix
 from tests.service_helpers import MODELS, ROOT, assert_error, decode, encode, psnr, smooth_image, to_uint8
 
 BSD68 = ROOT.parent / "shared" / "data" / "BSD68"
@@ -61,26 +62,6 @@ def stationary(stationary_dir: Path) -> Deblurrer:
     predictor = load_predictor(stationary_dir)
     assert isinstance(predictor, Deblurrer) and not predictor.guided
     return predictor
-
-
-def mirror(i: int, n: int) -> int:
-    """The pixel of a length-``n`` axis that sample ``i`` of its symmetric extension (edge repeated,
-    period ``2n``) copies."""
-    i %= 2 * n
-    return 2 * n - 1 - i if i >= n else i
-
-
-def symmetric_correlation_matrix(taps: np.ndarray, h: int, w: int) -> np.ndarray:
-    """The ``(hw, hw)`` matrix of the correlation with centred ``taps`` on an ``h×w`` image whose border
-    is extended symmetrically, row-major pixels: written entry by entry, sharing no code with the library."""
-    rh, rw = taps.shape[0] // 2, taps.shape[1] // 2
-    out = np.zeros((h * w, h * w))
-    for r in range(h):
-        for c in range(w):
-            for a in range(-rh, rh + 1):
-                for b in range(-rw, rw + 1):
-                    out[r * w + c, mirror(r + a, h) * w + mirror(c + b, w)] += taps[a + rh, b + rw]
-    return out
 
 
 def blurred(clean: np.ndarray, psf: np.ndarray, sigma: float, seed: int) -> np.ndarray:

@@ -26,6 +26,7 @@ from kdeq.tasks import TASKS, solve_batch
 from kdeq.tasks.super_resolve import SuperResolver, upsample
 from service.app import create_app
 from service.settings import Settings
+from tests.helpers import symmetric_correlation_matrix
 from tests.service_helpers import MODELS, ROOT, assert_error, decode, encode, psnr, smooth_image, to_uint8
 
 BSD68 = ROOT.parent / "shared" / "data" / "BSD68"
@@ -130,25 +131,6 @@ def test_upsample_reproduces_constants_and_ramps(scale: int) -> None:
 
 
 # ---------------------------------------------------------------------------- the model is kernel ridge
-
-
-def mirror(i: int, n: int) -> int:
-    """The pixel of a length-``n`` axis that sample ``i`` of its symmetric extension copies."""
-    i %= 2 * n
-    return 2 * n - 1 - i if i >= n else i
-
-
-def symmetric_correlation_matrix(taps: np.ndarray, h: int, w: int) -> np.ndarray:
-    """The ``(hw, hw)`` matrix of the correlation with centred ``taps`` on an ``h×w`` image with a
-    symmetric border (edge repeated), row-major pixels, written entry by entry."""
-    rh, rw = taps.shape[0] // 2, taps.shape[1] // 2
-    out = np.zeros((h * w, h * w))
-    for r in range(h):
-        for c in range(w):
-            for a in range(-rh, rh + 1):
-                for b in range(-rw, rw + 1):
-                    out[r * w + c, mirror(r + a, h) * w + mirror(c + b, w)] += taps[a + rh, b + rw]
-    return out
 
 
 def degradation(scale: int) -> BlurSubsample:

@@ -288,6 +288,15 @@ class Task:
         return self.predictor_inputs({k: v[None] for k, v in example.items()})[0][0]
 
 
+def shared_value(batch: Mapping[str, torch.Tensor], key: str, task: str, what: str) -> torch.Tensor:
+    """``batch[key][0]``: the value every example of the batch shares (``Task.corrupt``'s ``shared``
+    draw); ``ValueError`` when they differ."""
+    values = batch[key]
+    if not bool((values == values[:1]).all()):
+        raise ValueError(f"a {task} batch shares one {what} (Task.corrupt's shared draw)")
+    return values[0]
+
+
 def check_index_level(level: float, task: str, field: str, choices: Sequence[object]) -> None:
     """``ValueError`` unless the validation ``level`` indexes ``choices`` (the run's ``field``)."""
     if not (float(level).is_integer() and 0 <= level < len(choices)):

@@ -59,6 +59,7 @@ from kdeq.tasks.base import (
     Task,
     check_index_level,
     noise_levels,
+    shared_value,
 )
 from kdeq.train.data import Corruption, uniform
 
@@ -294,10 +295,7 @@ class Deblur(Task):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(blurred, psf, sigma)``: the images ``(B, c, H, W)``, the batch's one PSF ``(k, k)`` and
         the noise levels ``(B,)``, given."""
-        psf = batch["psf"]
-        if not bool((psf == psf[:1]).all()):
-            raise ValueError("a deblur batch shares one PSF (Task.corrupt's shared draw)")
-        return batch["blurred"], psf[0], batch["sigma"]
+        return batch["blurred"], shared_value(batch, "psf", "deblur", "PSF"), batch["sigma"]
 
     def val_levels(self, settings: Corruption) -> tuple[float, ...]:
         """Every PSF of the run, at the middle of its noise range."""

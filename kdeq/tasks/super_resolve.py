@@ -28,7 +28,7 @@ from kdeq.operators import BlurSubsample, KernelMap, mirror, solve_observed
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.psf import SR_SCALES, bicubic_taps, keys_cubic
 from kdeq.tasks import register_task
-from kdeq.tasks.base import Options, Request, Task
+from kdeq.tasks.base import Options, Request, Task, shared_value
 from kdeq.train.data import Corruption
 from kdeq.train.objectives import psnr
 
@@ -178,10 +178,7 @@ class SuperResolve(Task):
 
     def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """``(low, scale)``: the low-resolution images ``(B, c, h, w)`` and the batch's one scale."""
-        scale = batch["scale"]
-        if not bool((scale == scale[:1]).all()):
-            raise ValueError("a super-resolve batch shares one scale (Task.corrupt's shared draw)")
-        return batch["low"], int(scale[0])
+        return batch["low"], int(shared_value(batch, "scale", "super-resolve", "scale"))
 
     def score(self, out: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """PSNR with a ``scale``-pixel border cropped (the field's convention)."""
