@@ -96,7 +96,35 @@ class GuidedArchitecture(_MayHaveNet):
     net: GuideNet | None = None
 
 
-Architecture = Annotated[ConvArchitecture | GuidedArchitecture, Field(discriminator="kind")]
+class PlugAndPlayArchitecture(_Strict):
+    """Plug-and-play half-quadratic splitting (``kdeq.pnp``): ``steps`` alternations of the data step,
+    the kGLM with the white kernel ``K = I`` observed through the task's operator around the last
+    denoised image, and the embedded denoiser ``prior`` at noise levels ``σ_k`` geometric from
+    ``start_sigma`` (0–255) down to the observations' ``σ``. Tensors: the prior's, each named
+    ``prior.<name>``, so that the checkpoint is whole in itself."""
+
+    kind: Literal["pnp"] = "pnp"
+    prior: ModelSpec
+    steps: int = Field(6, ge=1, le=64)
+    start_sigma: float = Field(49.0, gt=0, le=255)
+
+    @property
+    def net(self) -> None:
+        """No network of its own (the prior's is the prior's)."""
+        return None
+
+    @model_validator(mode="after")
+    def _prior_denoises(self) -> PlugAndPlayArchitecture:
+        if self.prior.task != "denoise":
+            raise ValueError(f"the prior is a denoiser, not a {self.prior.task} model")
+        if not isinstance(self.prior.lam, NoiseLambda):
+            raise ValueError("the prior takes the noise level σ_k: its λ rule is the noise rule")
+        return self
+
+
+Architecture = Annotated[
+    ConvArchitecture | GuidedArchitecture | PlugAndPlayArchitecture, Field(discriminator="kind")
+]
 
 
 class NoiseLambda(_Strict):
@@ -135,7 +163,8 @@ class ModelSpec(_Strict):
             of the spec obeys (``Task.check_spec``).
         architecture: ``conv`` (stationary) or ``guided`` (adaptive: denoise, deblur), either with a
             learned network (``kdeq.guidenet``): the guided denoiser's guide, the inpainter's or the
-            segmenter's mean. Each task says which it takes (``Task.check_spec``).
+            segmenter's mean; or ``pnp``, a denoiser plugged into the task's operator (deblur). Each
+            task says which it takes (``Task.check_spec``).
         lam: the ``λ`` rule (``noise`` needs a noise level: denoise, deblur).
         mean: Appendix H mean ``m``: ``none``; ``global`` (per-channel image mean);
             ``local`` (the kernel's own normalised average ``D⁻¹K y``, guided only);
@@ -170,6 +199,10 @@ class ModelSpec(_Strict):
         if self.solver.method == "cg" and family != "gaussian":
             raise ValueError(f"CG needs an affine equilibrium map; the {family} family is not affine")
         return self
+
+
+PlugAndPlayArchitecture.model_rebuild()
+ModelSpec.model_rebuild()
 
 
 class Provenance(_Strict):
@@ -214,6 +247,8 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...] | None]:
     """Tensor names with their shapes (``None``: a 1-D tensor of odd length) for ``spec``'s architecture."""
     arch = spec.architecture
     out: dict[str, tuple[int, ...] | None]
+    if isinstance(arch, PlugAndPlayArchitecture):
+        return {f"{PRIOR}{name}": shape for name, shape in expected_tensors(arch.prior).items()}
     if isinstance(arch, ConvArchitecture):
         c, k = arch.kernel.channels, 2 * arch.kernel.radius + 1
         out = {name: (c, c, k, k) for name in ("w1", "w2", "v1", "v2")}
@@ -223,6 +258,29 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...] | None]:
     if arch.net is not None:
         out.update(arch.net.shapes())
     return out
+
+
+#: the prefix of a plug-and-play checkpoint's prior tensors
+PRIOR = "prior."
+
+
+def prior_checkpoint(checkpoint: Checkpoint) -> Checkpoint:
+    """The denoiser embedded in a plug-and-play ``checkpoint``: its spec, its tensors (the prefix
+    ``prior.`` dropped) and the sha256 they would have as a checkpoint of their own; its path is
+    ``<checkpoint>/prior``, which names it in errors and is never read."""
+    config = checkpoint.config
+    arch = config.architecture
+    if not isinstance(arch, PlugAndPlayArchitecture):
+        raise ValueError(f"{checkpoint.path}: a {arch.kind} model embeds no prior")
+    tensors = {k.removeprefix(PRIOR): v for k, v in checkpoint.tensors.items() if k.startswith(PRIOR)}
+    blob = save_safetensors({k: v.contiguous() for k, v in sorted(tensors.items())})
+    prior = ModelConfig(
+        **arch.prior.model_dump(),
+        format_version=config.format_version,
+        family=task_family(arch.prior.task),
+        weights_sha256=hashlib.sha256(blob).hexdigest(),
+    )
+    return Checkpoint(prior, tensors, checkpoint.path / "prior")
 
 
 def _check_tensors(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: Path) -> None:
@@ -256,6 +314,10 @@ def _symmetric(bank: torch.Tensor) -> bool:
 
 def _check_kernels(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: Path) -> None:
     """Symmetric PSD kernels where the theory or the solver relies on them."""
+    if isinstance(spec.architecture, PlugAndPlayArchitecture):
+        prior = {k.removeprefix(PRIOR): v for k, v in tensors.items()}
+        _check_kernels(spec.architecture.prior, prior, where)
+        return
     if isinstance(spec.architecture, GuidedArchitecture):
         spatial = tensors["spatial"]
         if not torch.equal(spatial, spatial.flip(0, 1)):

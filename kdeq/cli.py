@@ -6,6 +6,8 @@
 - ``kdeq models``: list the repository;
 - ``kdeq samples DIR``: write generated sample images to try the models on;
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
+  ``kdeq init --prior DIR [SPEC.json]``: compose plug-and-play models (``kdeq.pnp``) around the
+  denoiser checkpoint ``DIR`` (without SPEC files, the shipped ones);
 - ``kdeq train …``: fine-tune a checkpoint on images (``kdeq.train``);
 - ``kdeq experiment init-compare …``: the paper's kGLM-vs-random initialisation experiment;
 - ``kdeq demo``: see below;
@@ -34,10 +36,10 @@ import torch
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from kdeq.checkpoint import CheckpointError, ModelSpec
+from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
 from kdeq.families import Gaussian
 from kdeq.imageio import read_image, read_mask, write_png
-from kdeq.initialize import DEFAULT_SPECS, init_checkpoint
+from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, compose_checkpoint, init_checkpoint
 from kdeq.kernels import Kernel
 from kdeq.kglm import conv_deq
 from kdeq.predictor import SolverOverride
@@ -174,14 +176,20 @@ def _init(args: argparse.Namespace) -> int:
     root = Path(args.models_dir)
     if args.defaults:
         specs = list(DEFAULT_SPECS)
-    else:
+    elif args.spec:
         try:
             specs = [ModelSpec.model_validate(json.loads(Path(p).read_text())) for p in args.spec]
         except (ValidationError, json.JSONDecodeError) as err:
             raise ValueError(f"invalid spec: {err}") from None
+    else:
+        specs = list(PLUG_AND_PLAY_SPECS)
+    prior = None if args.prior is None else load_checkpoint(args.prior)
     for spec in specs:
         start = time.perf_counter()
-        directory, config = init_checkpoint(spec, root)
+        if prior is None:
+            directory, config = init_checkpoint(spec, root)
+        else:
+            directory, config = compose_checkpoint(spec, prior, root)
         elapsed = time.perf_counter() - start
         print(f"wrote {directory} (sha256 {config.weights_sha256[:12]}…) in {elapsed * 1e3:.1f} ms")
     return 0
@@ -216,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     p_init = sub.add_parser("init", help="write kGLM-initialised checkpoints")
     p_init.add_argument("spec", nargs="*", help="ModelSpec JSON files")
     p_init.add_argument("--defaults", action="store_true", help="rebuild the shipped default models")
+    p_init.add_argument(
+        "--prior",
+        metavar="DIR",
+        help="compose plug-and-play specs (without SPEC files: the shipped ones) around this denoiser "
+        "checkpoint",
+    )
     p_init.add_argument("--models-dir", default=models_dir)
     p_train = sub.add_parser("train", help="fine-tune a checkpoint from the kGLM start on images")
     train_cli.add_arguments(p_train)
@@ -247,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         for path in write_samples(args.directory, args.seed):
             print(f"wrote {path}")
         return 0
-    if args.command == "init" and bool(args.spec) == args.defaults:
-        parser.error("give SPEC files or --defaults (not both)")
+    if args.command == "init" and (
+        (args.defaults and (args.spec or args.prior)) or not (args.spec or args.defaults or args.prior)
+    ):
+        parser.error("give SPEC files, --defaults or --prior DIR [SPEC files]")
     try:
         if args.command == "models":
             return _models(args)

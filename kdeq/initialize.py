@@ -6,6 +6,10 @@ the guide's smoothing (guided); ``λ`` enters per request. Tensors are computed
 in float64 and rounded once to float32, so a rebuild reproduces the files bit
 for bit.
 
+A plug-and-play spec (``kdeq.pnp``) embeds a denoiser: its kGLM start is its prior's, and
+``compose_checkpoint`` builds it around a denoiser checkpoint instead (a fine-tuned one), whose spec
+and tensors it takes whole.
+
 The defaults' hyperparameters were chosen on Train400 (never on the test sets):
 see ``docs/BENCHMARKS.md``.
 """
@@ -18,12 +22,15 @@ import torch
 
 from kdeq.adaptive import GuidedKernel
 from kdeq.checkpoint import (
+    PRIOR,
+    Checkpoint,
     ConvArchitecture,
     FixedLambda,
     GuidedArchitecture,
     ModelConfig,
     ModelSpec,
     NoiseLambda,
+    PlugAndPlayArchitecture,
     Provenance,
     save_checkpoint,
 )
@@ -38,8 +45,11 @@ KGLM_PROVENANCE = Provenance(
 
 
 def init_tensors(spec: ModelSpec) -> dict[str, torch.Tensor]:
-    """The kGLM-initialised tensors of ``spec`` (float32), checked PSD."""
+    """The kGLM-initialised tensors of ``spec`` (float32), checked PSD; a plug-and-play spec's are
+    its prior's, named ``prior.<name>``."""
     arch = spec.architecture
+    if isinstance(arch, PlugAndPlayArchitecture):
+        return {PRIOR + name: t for name, t in init_tensors(arch.prior).items()}
     if isinstance(arch, ConvArchitecture):
         bank = arch.kernel.filter_bank(torch.float64)
         require_psd_filter(bank, "the kernel's filter bank", 1e-9)
@@ -61,6 +71,31 @@ def init_checkpoint(spec: ModelSpec, root: Path) -> tuple[Path, ModelConfig]:
     """Write ``spec``'s kGLM checkpoint to ``root/<name>/<version>``; returns the folder and config."""
     directory = root / spec.name / str(spec.version)
     return directory, save_checkpoint(directory, spec, init_tensors(spec), KGLM_PROVENANCE)
+
+
+def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[Path, ModelConfig]:
+    """Write the plug-and-play ``spec`` around the denoiser checkpoint ``prior`` to
+    ``root/<name>/<version>``: ``prior``'s spec replaces ``spec``'s and its tensors are embedded (a
+    rebuild reproduces the files bit for bit); the provenance is the prior's training, named.
+    Returns the folder and config."""
+    if not isinstance(spec.architecture, PlugAndPlayArchitecture):
+        kind = spec.architecture.kind
+        raise ValueError(f"{spec.name}:{spec.version} is a {kind} spec, not a plug-and-play one")
+    own = prior.config
+    prior_spec = ModelSpec.model_validate(own.model_dump(include=set(ModelSpec.model_fields)))
+    data = spec.model_dump()
+    data["architecture"]["prior"] = prior_spec.model_dump()
+    spec = ModelSpec.model_validate(data)
+    origin = own.provenance
+    provenance = Provenance(
+        init=origin.init,
+        data=origin.data,
+        epochs=origin.epochs,
+        notes=f"plug-and-play around {own.name}:{own.version} (kdeq init --prior); the prior: {origin.notes}",
+    )
+    tensors = {PRIOR + name: t for name, t in prior.tensors.items()}
+    directory = root / spec.name / str(spec.version)
+    return directory, save_checkpoint(directory, spec, tensors, provenance)
 
 
 DEFAULT_SPECS: tuple[ModelSpec, ...] = (
@@ -203,6 +238,24 @@ GROWN_SPECS: tuple[ModelSpec, ...] = (
         "Kernel ridge regression through the bicubic degradation around a mean from a small learned "
         "network on the bicubic interpolation (×2, ×3, ×4).",
         GuideNet(condition="scale"),
+    ),
+)
+
+
+#: plug-and-play models (``kdeq.pnp``), composed around a denoiser checkpoint by ``kdeq init --prior
+#: DIR`` (the prior here is the closed-form default's, which the composition replaces); the schedule
+#: and ``λ`` rule were chosen on Train400 validation images (``docs/BENCHMARKS.md``)
+PLUG_AND_PLAY_SPECS: tuple[ModelSpec, ...] = (
+    ModelSpec(
+        name="deblur-kglm",
+        version=3,
+        task="deblur",
+        description="Plug-and-play deblurring: six half-quadratic splitting steps alternating kernel "
+        "ridge regression through the blur and the embedded learned denoiser; σ given or estimated.",
+        architecture=PlugAndPlayArchitecture(prior=_default("denoise-kglm"), steps=6, start_sigma=49.0),
+        lam=NoiseLambda(signal_variance=1 / 0.23, min_sigma=1.0),
+        mean="none",
+        solver=SolverConfig(method="cg", tol=1e-4, max_iter=500),
     ),
 )
 

@@ -40,6 +40,7 @@ def test_repository_lists_the_shipped_models() -> None:
     assert [(e.name, e.version, e.error) for e in entries] == [
         ("deblur-kglm", 1, None),
         ("deblur-kglm", 2, None),  # the adaptive kernel guided by 1's output, in closed form
+        ("deblur-kglm", 3, None),  # plug-and-play around denoise-kglm:2 (kdeq init --prior)
         ("denoise-kglm", 1, None),
         ("denoise-kglm", 2, None),  # the learned guide, trained from 1's kGLM start by kdeq train
         ("denoise-stationary-kglm", 1, None),

@@ -53,8 +53,21 @@ def deblurrer(model_dir: Path) -> Deblurrer:
 
 @pytest.fixture(scope="module")
 def stationary_dir() -> Path:
-    """``deblur-kglm:1``, the stationary model (the default, version 2, is the guided one)."""
+    """``deblur-kglm:1``, the stationary model (the default, version 3, is the plug-and-play one)."""
     return find_model(MODELS, "deblur-kglm", 1)
+
+
+@pytest.fixture(scope="module")
+def guided_dir() -> Path:
+    """``deblur-kglm:2``, the adaptive kernel in closed form."""
+    return find_model(MODELS, "deblur-kglm", 2)
+
+
+@pytest.fixture(scope="module")
+def guided(guided_dir: Path) -> Deblurrer:
+    predictor = load_predictor(guided_dir)
+    assert isinstance(predictor, Deblurrer) and predictor.guided
+    return predictor
 
 
 @pytest.fixture(scope="module")
@@ -141,14 +154,14 @@ def test_deblurrer_is_kernel_ridge_regression_through_the_blur(
 
 @pytest.mark.parametrize("psf_name", ["gaussian:1.6", "motion:7,30"])
 def test_the_guided_deblurrer_is_kernel_ridge_regression_twice(
-    deblurrer: Deblurrer, model_dir: Path, psf_name: str
+    guided: Deblurrer, guided_dir: Path, psf_name: str
 ) -> None:
     """Version 2: the pilot is kernel ridge regression with the flat guide's kernel ``k_s/Σk_s``
     (symmetric border), and the output kernel ridge regression with the dense adaptive Gram
     ``D^{-1/2} K D^{-1/2}`` of the pilot (``kdeq.adaptive.guided_gram``, explicit patch features),
     with its local average ``D⁻¹K p`` as the mean."""
-    assert deblurrer.guided
-    config = json.loads((model_dir / "config.json").read_text())
+    deblurrer = guided
+    config = json.loads((guided_dir / "config.json").read_text())
     kern = config["architecture"]["kernel"]
     h, w, sigma = 14, 15, 5.0
     n = h * w
@@ -179,15 +192,15 @@ def test_the_guided_deblurrer_is_kernel_ridge_regression_twice(
 
 
 def test_the_guided_deblurrer_beats_its_stationary_pilot_on_edges(
-    deblurrer: Deblurrer, stationary: Deblurrer
+    guided: Deblurrer, stationary: Deblurrer
 ) -> None:
     clean = (smooth_image(64, 64, seed=5) > 0.5).astype(np.float64) * 0.6 + 0.2
     psf = parse_psf("gaussian:1.6")
     y = blurred(clean, psf.numpy(), 2.55, seed=0)
     x = torch.from_numpy(y[None, None]).float()
-    guided = psnr(deblurrer.predict(x, psf, sigma=2.55).output[0, 0].clamp(0, 1).double().numpy(), clean)
+    adaptive = psnr(guided.predict(x, psf, sigma=2.55).output[0, 0].clamp(0, 1).double().numpy(), clean)
     plain = psnr(stationary.predict(x, psf, sigma=2.55).output[0, 0].clamp(0, 1).double().numpy(), clean)
-    assert guided > plain + 0.5, (guided, plain)
+    assert adaptive > plain + 0.5, (adaptive, plain)
 
 
 @pytest.mark.parametrize("size", [8, 24])
@@ -197,8 +210,11 @@ def test_the_warm_up_request_is_solved_at_every_warm_up_size(deblurrer: Deblurre
     assert solved.output.shape == (1, size, size) and solved.finite and solved.converged
 
 
-def test_a_constant_image_is_its_own_deblurring(deblurrer: Deblurrer) -> None:
+@pytest.mark.parametrize("version", ["stationary", "guided"])
+def test_a_constant_image_is_its_own_deblurring(request: pytest.FixtureRequest, version: str) -> None:
     # H m = m for a constant m (the PSF sums to 1, the border mirrors): nothing is left to correct
+    # (the kGLM versions; the plug-and-play one returns its prior's denoising of the constant)
+    deblurrer = request.getfixturevalue(version)
     image = torch.full((1, 3, 16, 18), 0.375)
     for name in ("gaussian:1.6", "motion:9,20"):
         out = deblurrer.predict(image, parse_psf(name), sigma=2.0).output
@@ -264,8 +280,8 @@ def psf_png(psf: np.ndarray) -> bytes:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    # the default (version 2, guided) first, the stationary version 1 beside it
-    models = ("deblur-kglm:2", "deblur-kglm:1")
+    # the default (version 3, plug-and-play) first, the stationary version 1 beside it
+    models = ("deblur-kglm:3", "deblur-kglm:1")
     settings = Settings(models_dir=MODELS, device=("cpu",), models=models, warmup=False)
     with TestClient(create_app(settings), raise_server_exceptions=False) as c:
         assert c.app.state.service.wait_loaded(120)
@@ -345,7 +361,7 @@ def test_an_uploaded_psf_is_applied_the_right_way_round(
 def test_a_colour_image_deblurs_channel_by_channel_to_its_size(client: TestClient, photo: np.ndarray) -> None:
     colour = np.stack([photo, photo[::-1], 255 - photo], axis=-1)
     r = client.post("/deblur", files={"image": encode(colour)}, data={"psf": "motion:5,45", "sigma": "3"})
-    assert r.status_code == 200 and r.headers["X-KDEQ-Model"] == "deblur-kglm:2", r.text
+    assert r.status_code == 200 and r.headers["X-KDEQ-Model"] == "deblur-kglm:3", r.text
     assert decode(r.content).mode == "RGB" and decode(r.content).size == (48, 40)
     # the stationary model: one kernel on every channel alike, no mixing, so each channel is that
     # channel deblurred alone (the guided one's kernel follows all three channels' edges)

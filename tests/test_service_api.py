@@ -52,14 +52,14 @@ def test_health_ready_and_models(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "alive"}
     assert client.get("/readyz").status_code == 200
     models = {m["id"]: m for m in client.get("/models").json()}
-    # the latest version of each model: the deblurrer closed-form, the others trained from their
-    # kGLM start
+    # the latest version of each model: the deblurrer plug-and-play around the trained denoiser, the
+    # others trained from their kGLM start
     assert set(models) == {
         "denoise-kglm:2",
         "denoise-stationary-kglm:2",
         "inpaint-kglm:3",
         "segment-kglm:2",
-        "deblur-kglm:2",
+        "deblur-kglm:3",
         "super-resolve-kglm:2",
     }
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())

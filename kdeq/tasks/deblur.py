@@ -25,6 +25,11 @@ With a network (``kdeq.guidenet``, ``condition = "sigma"``) its pilot ``p`` of `
 and, mixed by ``β``, the mean ``(1 − β)·D⁻¹K f₀ + β·p``: the denoiser's network, removing what the
 deconvolution left. At the kGLM start (``p = G∗f₀``, ``β = 0``) the model is the one without.
 
+A ``pnp`` architecture is a denoiser plugged into the blur (``kdeq.pnp``): ``steps`` alternations of
+the data step, the same regression with the white kernel ``K = I`` around the last denoised image
+(one DCT transform for an even PSF), and the embedded denoiser at a decreasing noise level, the
+checkpoint's ``λ`` rule weighing the two; the statistics sum every solve's iterations.
+
 The PSF is named (``gaussian:SIGMA``, ``disk:RADIUS``, ``motion:LENGTH[,ANGLE_DEGREES]``,
 ``kdeq.psf.parse_psf``) or uploaded as an image (odd sides, at most ``kdeq.psf.MAX_PSF_SIDE``,
 normalised to sum 1; a colour PSF image is read as its mean over channels).
@@ -40,11 +45,20 @@ import torch
 from pydantic import Field
 
 from kdeq.adaptive import GuidedMap, GuidedOperator, weight_budget
-from kdeq.checkpoint import Checkpoint, GuidedArchitecture, ModelSpec, NoiseLambda
+from kdeq.checkpoint import (
+    Checkpoint,
+    GuidedArchitecture,
+    ModelSpec,
+    NoiseLambda,
+    PlugAndPlayArchitecture,
+    prior_checkpoint,
+)
+from kdeq.denoise import Denoiser
 from kdeq.filters import separable_blur
 from kdeq.guidenet import pilot
 from kdeq.noise import estimate_sigma
 from kdeq.operators import Blur, KernelMap, solve_observed
+from kdeq.pnp import noise_schedule, plug_and_play
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.psf import MAX_PSF_SIDE, check_psf, parse_psf
 from kdeq.solvers import SolverConfig, SolverStats
@@ -76,6 +90,9 @@ class Deblurrer(Predictor):
         self.bandwidth_scale: float | torch.Tensor = 1.0
         #: bytes the guided kernel's weight maps may take before they are recomputed per use
         self.weight_budget = weight_budget(self.device)
+        #: a ``pnp`` model's denoiser on the same device (``None`` for the others; ``kdeq train``
+        #: refuses ``pnp`` models, so it keeps the tensors it was built with)
+        self.prior = Denoiser(prior_checkpoint(checkpoint), self.device) if self.plug_and_play else None
 
     def forward(
         self,
@@ -92,6 +109,8 @@ class Deblurrer(Predictor):
         s = self.noise_level(x, sigma)
         lam = self.lam(s)
         cfg = self.solver(solver)
+        if self.prior is not None:
+            return self._plug_and_play(blur, x, s, lam, cfg)
         if not self.guided:
             kernel = KernelMap(self.tensors["w1"], torch.ones_like(lam), self.config.architecture.padding)
             f, stats = solve_observed(blur, kernel, x, lam, self.mean(x), cfg)
@@ -114,6 +133,23 @@ class Deblurrer(Predictor):
         )
         return Prediction(f, stats, lam, sigma=s * 255.0, pilot=f0 if learned is None else learned)
 
+    def _plug_and_play(
+        self, blur: Blur, x: torch.Tensor, s: torch.Tensor, lam: torch.Tensor, cfg: SolverConfig
+    ) -> Prediction:
+        """``kdeq.pnp.plug_and_play`` from the observations ``x`` ``(B, c, H, W)`` at levels ``s``
+        ``(B,)`` (``λ = λ(s)``, the schedule ending at ``s`` floored as ``λ``'s rule floors it),
+        with the embedded denoiser at each ``σ_k``."""
+        arch = self.config.architecture
+        final = s.clamp(min=self.config.lam.min_sigma / 255.0)
+        levels = noise_schedule(arch.start_sigma / 255.0, final, arch.steps)
+
+        def denoise(v: torch.Tensor, level: torch.Tensor) -> tuple[torch.Tensor, SolverStats]:
+            out = self.prior.forward(v, sigma=level * 255.0)
+            return out.output, out.stats
+
+        f, stats = plug_and_play(blur, x, x, lam, levels, denoise, cfg)
+        return Prediction(f, stats, lam, sigma=s * 255.0)
+
     def pilot_only(
         self,
         images: torch.Tensor,
@@ -133,7 +169,8 @@ class Deblurrer(Predictor):
     def _blur(self, psf: torch.Tensor | np.ndarray) -> Blur:
         """``H`` for ``psf`` ``(k, k)`` (normalised to sum 1) under the model's border rule."""
         h = check_psf(psf.detach().cpu() if isinstance(psf, torch.Tensor) else psf).to(self.device)
-        return Blur(h, "symmetric" if self.guided else self.config.architecture.padding)
+        arch = self.config.architecture
+        return Blur(h, arch.padding if arch.kind == "conv" else "symmetric")
 
     def _first(
         self, blur: Blur, x: torch.Tensor, lam: torch.Tensor, cfg: SolverConfig
@@ -163,6 +200,11 @@ class Deblurrer(Predictor):
     def guided(self) -> bool:
         """Whether the kernel is the adaptive one, guided by the stationary model's pilot."""
         return isinstance(self.config.architecture, GuidedArchitecture)
+
+    @property
+    def plug_and_play(self) -> bool:
+        """Whether the model is a denoiser plugged into the blur (``kdeq.pnp``)."""
+        return isinstance(self.config.architecture, PlugAndPlayArchitecture)
 
 
 class DeblurOptions(Options):
@@ -194,12 +236,19 @@ class Deblur(Task):
     )
     fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
 
-    architectures = ("conv", "guided")
+    architectures = ("conv", "guided", "pnp")
     network = "sigma"
 
     def check_spec(self, spec: ModelSpec) -> None:
         super().check_spec(spec)
         arch = spec.architecture
+        if arch.kind == "pnp":
+            if not isinstance(spec.lam, NoiseLambda) or spec.mean != "none" or spec.solver.method != "cg":
+                raise ValueError(
+                    "the plug-and-play deblurrer weighs its steps by the noise λ rule, takes its mean "
+                    "from the prior (mean none) and solves its data steps by CG"
+                )
+            return
         if arch.kind == "guided":
             if not arch.kernel.normalize or spec.mean != "local":
                 raise ValueError("the guided deblurrer's kernel is normalised, with its own local mean")

@@ -142,6 +142,11 @@ class TrainConfig(BaseModel):
         spec = self.model_spec()
         if spec.task != self.task:
             raise ValueError(f"spec {self.spec!r} is a {spec.task} model, not {self.task}")
+        if spec.architecture.kind == "pnp":
+            raise ValueError(
+                f"spec {self.spec!r} is a plug-and-play model, composed around a denoiser rather than "
+                "trained: fine-tune its prior with --task denoise, then kdeq init --prior DIR"
+            )
         if self.pilot_epochs and spec.architecture.net is None:
             raise ValueError(f"pilot_epochs needs a model with a network; spec {self.spec!r} has none")
         return self
