@@ -17,6 +17,9 @@ Sections (all by default; each prints a Markdown table):
   budget and a 128 MiB one.
 - ``warmstart``: the segmenter (Bernoulli, Anderson) from ``σ(0)`` against a start from its
   linearised equilibrium, on generated shapes with additive noise.
+- ``cli``: ``kdeq denoise`` on ``--cli-images`` generated 256² noisy images (σ = 25, given) in one
+  call, its wall time ÷ (the count × the default denoiser's in-process solve of the same images,
+  measured in this process first), beside one process per image for the first four.
 
 GPU figures come from ``bench/gpu.sh`` (``bench/gpu.py``), which runs the CUDA suite first.
 
@@ -250,11 +253,57 @@ def section_warmstart(args: argparse.Namespace) -> None:
             )
 
 
+def section_cli(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from kdeq.cli import test_image
+    from kdeq.imageio import read_image, write_png
+
+    model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cpu")
+    count = args.cli_images
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "in"
+        folder.mkdir()
+        clean = test_image(256)[0]
+        paths = []
+        for k in range(count):
+            noise = torch.randn(clean.shape, generator=torch.Generator().manual_seed(args.seed + k))
+            paths.append(folder / f"img{k:03d}.png")
+            write_png(paths[-1], (clean.roll(7 * k, dims=-1) + SIGMA / 255 * noise).clamp(0, 1))
+        images = [read_image(p) for p in paths]  # as the CLI reads them: 8-bit, clipped
+        model.predict(images[0], sigma=SIGMA)  # warm-up
+        start = time.perf_counter()
+        for image in images:
+            model.predict(image, sigma=SIGMA)
+        solve = (time.perf_counter() - start) / count
+        command = [sys.executable, "-m", "kdeq", "denoise", "--sigma", str(SIGMA)]
+        start = time.perf_counter()
+        subprocess.run(
+            [*command, *map(str, paths), "-o", str(Path(tmp) / "out")], check=True, capture_output=True
+        )
+        batch = time.perf_counter() - start
+        start = time.perf_counter()
+        for k, path in enumerate(paths[:4]):
+            subprocess.run(
+                [*command, str(path), "-o", str(Path(tmp) / f"one{k}.png")], check=True, capture_output=True
+            )
+        single = (time.perf_counter() - start) / 4
+    print(f"\n### The CLI: {count} images of 256², σ = 25 given, {model.name}\n")
+    print("| run | s per image | ÷ the in-process solve |")
+    print("|---|---|---|")
+    print(f"| in process, `predict` per image | {solve:.3f} | 1.00 |")
+    print(
+        f"| `kdeq denoise` on all {count} in one call | {batch / count:.3f} | {batch / (count * solve):.2f} |"
+    )
+    print(f"| `kdeq denoise` once per image (first 4) | {single:.3f} | {single / solve:.2f} |")
+
+
 SECTIONS = {
     "models": section_models,
     "linear": section_linear,
     "memory": section_memory,
     "warmstart": section_warmstart,
+    "cli": section_cli,
 }
 
 
@@ -265,6 +314,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--images", type=int, default=3, help="images per set in the models section")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--cli-images", type=int, default=64, help="images in the cli section")
     parser.add_argument("--no-bm3d", action="store_true")
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     args = parser.parse_args()

@@ -1,8 +1,9 @@
 """The ``kdeq`` command line.
 
-- ``kdeq TASK IN -o OUT`` for every registered task (``kdeq.tasks.TASKS``: denoise, inpaint, …),
-  with the task's options and file inputs as flags: run a repository model on an image file and
-  print the solver statistics;
+- ``kdeq TASK IN [IN …] -o OUT`` for every registered task (``kdeq.tasks.TASKS``: denoise,
+  inpaint, …), with the task's options and file inputs as flags: run a repository model on image
+  files in one process, batched by size (``kdeq.batchrun``), and print the solver statistics of each
+  and, for several, a summary; the exit status is 3 when a solve did not converge;
 - ``kdeq models``: list the repository;
 - ``kdeq samples DIR``: write generated sample images to try the models on;
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
@@ -36,9 +37,10 @@ import torch
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from kdeq import batchrun
 from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
 from kdeq.families import Gaussian
-from kdeq.imageio import read_image, read_mask, write_png
+from kdeq.imageio import write_png
 from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, compose_checkpoint, init_checkpoint
 from kdeq.kernels import Kernel
 from kdeq.kglm import conv_deq
@@ -47,7 +49,7 @@ from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
 from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
-from kdeq.tasks import TASKS, InputError, Task, solve_batch
+from kdeq.tasks import TASKS, Task
 from kdeq.train import calibrate, init_compare
 from kdeq.train import cli as train_cli
 
@@ -135,27 +137,64 @@ def _run_model(args: argparse.Namespace) -> int:
         raise ValueError(f"model {predictor.name} is a {predictor.task} model")
     given = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}
     options = task.options(**given)
-    files = {}
-    for spec in task.files:
-        path = getattr(args, spec.name)
-        if path is not None:
-            files[spec.name] = (read_mask(path) if spec.kind == "mask" else read_image(path))[0].numpy()
-    image = read_image(args.input)[0].numpy()
+    files = {spec.name: Path(getattr(args, spec.name)) for spec in task.files if getattr(args, spec.name)}
     override = SolverOverride(tol=args.tol, max_iter=args.max_iter)
+    inputs = [Path(p) for p in args.input]
     start = time.perf_counter()
-    try:
-        request = task.prepare(image, None, options, files, override)
-    except InputError as err:
-        raise ValueError(err.detail) from None
-    solved = solve_batch(task, predictor, [request])[0]
-    elapsed = time.perf_counter() - start
-    write_png(args.out, torch.from_numpy(solved.output))
-    extra = "".join(f", {k} {v:.4g}" for k, v in solved.fields.items() if v is not None)
-    print(
-        f"{predictor.name}: iterations {solved.iterations}, residual {solved.residual:.2e}, "
-        f"converged {solved.converged}, lambda {solved.lam:.4g}{extra}, {elapsed * 1e3:.0f} ms"
-    )
-    return 0 if solved.converged else 3
+    jobs = batchrun.plan(task, inputs, Path(args.out), options, files, override)
+    several = len(jobs) > 1
+    if several:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    progress = Progress(len(jobs)) if several and sys.stderr.isatty() else None
+    converged = count = batch_count = 0
+    for batch, solved, seconds in batchrun.run(task, predictor, jobs, args.batch_size):
+        batch_count += 1
+        if progress is not None:
+            progress.clear()
+        for job, result in zip(batch, solved, strict=True):
+            write_png(job.out, torch.from_numpy(result.output))
+            extra = "".join(f", {k} {v:.4g}" for k, v in result.fields.items() if v is not None)
+            print(
+                f"{f'{job.source}: ' if several else ''}{predictor.name}: iterations {result.iterations}, "
+                f"residual {result.residual:.2e}, converged {result.converged}, lambda {result.lam:.4g}"
+                f"{extra}, {seconds / len(batch) * 1e3:.0f} ms",
+                flush=True,
+            )
+            converged += result.converged
+            count += 1
+        if progress is not None:
+            progress.update(count)
+    if progress is not None:
+        progress.close()
+    if several:
+        elapsed = time.perf_counter() - start
+        print(
+            f"{count} images in {batch_count} batches: {converged}/{count} converged, {elapsed:.2f} s "
+            f"({elapsed / count * 1e3:.0f} ms per image, reading and writing included), written to {args.out}"
+        )
+    return 0 if converged == count else 3
+
+
+class Progress:
+    """A one-line progress bar on standard error (``kdeq TASK`` with several inputs, on a terminal)."""
+
+    WIDTH = 30
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.update(0)
+
+    def update(self, done: int) -> None:
+        filled = self.WIDTH * done // self.total
+        bar = "#" * filled + "-" * (self.WIDTH - filled)
+        print(f"\r[{bar}] {done}/{self.total} images", end="", file=sys.stderr, flush=True)
+
+    def clear(self) -> None:
+        """Erase the bar, so that the lines printed next start on a clean line."""
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        print(file=sys.stderr, flush=True)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -208,8 +247,15 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(
             task.name, help=f"{task.summary[0].lower()}{task.summary[1:]}: an image file, a repository model"
         )
-        p.add_argument("input", help="PNG, JPEG, WebP or TIFF")
-        p.add_argument("-o", "--out", required=True, help="output PNG")
+        p.add_argument("input", nargs="+", help="PNG, JPEG, WebP or TIFF files, solved in one process")
+        p.add_argument(
+            "-o", "--out", required=True, help="output PNG; with several inputs, a folder of <stem>.png"
+        )
+        p.add_argument(
+            "--batch-size",
+            type=int,
+            help="images of one size solved together (default: batched where a measured batch is faster)",
+        )
         p.add_argument("--model", help=f"NAME or NAME:VERSION (default {task.name}-kglm, latest version)")
         p.add_argument("--models-dir", default=models_dir)
         p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")

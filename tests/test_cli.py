@@ -1,4 +1,4 @@
-"""The offline CLI on real image files: denoise, inpaint, segment, models, init."""
+"""The offline CLI on real image files: every task on one or several files, models, init."""
 
 import json
 from pathlib import Path
@@ -8,11 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
+from kdeq import batchrun
 from kdeq.cli import main
 from kdeq.cli import test_image as piecewise_image
 from kdeq.imageio import read_image, write_png
 from kdeq.initialize import DEFAULT_SPECS
 from kdeq.repository import load_predictor
+from kdeq.tasks import TASKS
 
 
 @pytest.fixture
@@ -103,3 +105,139 @@ def test_samples_writes_images_to_try(tmp_path) -> None:
     holes = torch.from_numpy(np.asarray(files["holes.png"]).copy())
     assert 0 < (holes > 0).float().mean() < 0.2  # some pixels to fill, most kept
     assert main(["denoise", str(tmp_path / "s" / "noisy.png"), "-o", str(tmp_path / "clean.png")]) == 0
+
+
+# ---------------------------------------------------------------------------- several inputs, one process
+
+
+def noisy_images(folder: Path, shapes: list[tuple[int, int]], colour: bool = False) -> list[Path]:
+    """Noisy piecewise images of ``shapes`` written as ``folder/img<k>.png``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k, (h, w) in enumerate(shapes):
+        clean = piecewise_image(max(h, w))[0][:, :h, :w]
+        clean = torch.cat([clean, clean.flip(-1), 1 - clean]) if colour else clean
+        noisy = clean + 0.08 * torch.randn(clean.shape, generator=torch.Generator().manual_seed(k))
+        paths.append(folder / f"img{k}.png")
+        write_png(paths[-1], noisy.clamp(0, 1))
+    return paths
+
+
+def pixels(path: Path) -> np.ndarray:
+    with Image.open(path) as im:
+        return np.asarray(im).astype(int)
+
+
+@pytest.mark.parametrize("colour", [False, True])
+def test_several_inputs_are_solved_in_one_call_as_each_alone(tmp_path, capsys, colour) -> None:
+    # two 40×48 images share a batch, the 32×32 one has its own: two batches
+    inputs = noisy_images(tmp_path / "in", [(40, 48), (32, 32), (40, 48)], colour)
+    out = tmp_path / "out"
+    common = ["--sigma", "20", "--model", "denoise-stationary-kglm"]
+    assert main(["denoise", *map(str, inputs), "-o", str(out), "--batch-size", "4", *common]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert sorted(p.name for p in out.iterdir()) == ["img0.png", "img1.png", "img2.png"]
+    assert [line.split(": ")[0] for line in printed[:3]] == [str(inputs[0]), str(inputs[2]), str(inputs[1])]
+    assert printed[-1].startswith("3 images in 2 batches: 3/3 converged")
+    for path in inputs:
+        alone = tmp_path / f"alone-{path.name}"
+        assert main(["denoise", str(path), "-o", str(alone), *common]) == 0
+        # the same system per image, to the solver's tolerance: at most one grey level apart
+        assert np.abs(pixels(out / path.name) - pixels(alone)).max() <= 1
+
+
+def test_masks_are_matched_to_inputs_by_name(tmp_path, capsys) -> None:
+    inputs = noisy_images(tmp_path / "in", [(32, 32), (32, 32)])
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for k, path in enumerate(inputs):
+        gen = torch.Generator().manual_seed(10 + k)
+        write_png(masks / path.name, (torch.rand(1, 32, 32, generator=gen) < 0.3).float())
+    out = tmp_path / "out"
+    assert main(["inpaint", *map(str, inputs), "-o", str(out), "--mask", str(masks)]) == 0
+    for path in inputs:
+        alone = tmp_path / f"alone-{path.name}"
+        assert main(["inpaint", str(path), "-o", str(alone), "--mask", str(masks / path.name)]) == 0
+        assert np.abs(pixels(out / path.name) - pixels(alone)).max() <= 1
+    # a missing mask stops the run before anything is written
+    (masks / inputs[1].name).unlink()
+    capsys.readouterr()
+    assert main(["inpaint", *map(str, inputs), "-o", str(tmp_path / "none"), "--mask", str(masks)]) == 2
+    assert f"has no image named {inputs[1].stem}.*" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
+def test_several_inputs_refuse_clashing_names_a_file_as_folder_and_bad_files(tmp_path, capsys) -> None:
+    a, b = noisy_images(tmp_path / "a", [(32, 32), (32, 32)])
+    clash = tmp_path / "b" / a.name
+    clash.parent.mkdir()
+    clash.write_bytes(a.read_bytes())
+    assert main(["denoise", str(a), str(clash), "-o", str(tmp_path / "out")]) == 2
+    assert "would both be written to" in capsys.readouterr().err
+    assert main(["denoise", str(a), str(b), "-o", str(a)]) == 2
+    assert "with several inputs -o names a folder" in capsys.readouterr().err
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not an image")
+    assert main(["denoise", str(a), str(broken), "-o", str(tmp_path / "out")]) == 2
+    assert "broken.png: not a readable image" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_exit_status_is_3_when_any_solve_of_several_did_not_converge(tmp_path, capsys) -> None:
+    inputs = noisy_images(tmp_path / "in", [(40, 40), (40, 40)])
+    args = ["denoise", *map(str, inputs), "-o", str(tmp_path / "out"), "--model", "denoise-stationary-kglm"]
+    assert main([*args, "--max-iter", "1"]) == 3
+    assert "0/2 converged" in capsys.readouterr().out
+    # every output is still written
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["img0.png", "img1.png"]
+
+
+def test_batches_group_by_shape_and_batch_key_in_order_and_cut_to_size() -> None:
+    task = TASKS["deblur"]
+
+    def job(k: int, shape: tuple[int, int], psf: str) -> batchrun.Job:
+        image = np.zeros((1, *shape), dtype=np.float32)
+        request = task.prepare(image, None, task.options(psf=psf), {})
+        return batchrun.Job(Path(f"in{k}.png"), Path(f"out{k}.png"), request)
+
+    jobs = [
+        job(0, (16, 16), "gaussian:1"),
+        job(1, (16, 16), "disk:2"),  # another PSF: another batch
+        job(2, (16, 16), "gaussian:1"),
+        job(3, (16, 20), "gaussian:1"),  # another shape
+        job(4, (16, 16), "gaussian:1"),
+    ]
+    got = [[j.source.name for j in batch] for batch in batchrun.batches(task, jobs, 2)]
+    assert got == [["in0.png", "in2.png"], ["in4.png"], ["in1.png"], ["in3.png"]]
+    with pytest.raises(ValueError, match="at least 1"):
+        batchrun.batches(task, jobs, 0)
+
+
+@pytest.mark.parametrize(
+    ("per_image_in_batch", "expected"), [(0.5, [1, 1, 8, 8, 4]), (2.0, [1, 1, 8] + [1] * 12)]
+)
+def test_measured_batching_keeps_a_batch_only_where_it_is_faster(
+    monkeypatch, per_image_in_batch: float, expected: list[int]
+) -> None:
+    """``run`` without a size: image 1 alone (warm-up), image 2 alone (timed: 1 s on a fake clock),
+    8 together (timed), then the rest in batches of 8 if they took less per image, else alone."""
+    clock = [0.0]
+    sizes: list[int] = []
+
+    def solve(task, predictor, requests):
+        sizes.append(len(requests))
+        clock[0] += 1.0 if len(requests) == 1 else per_image_in_batch * len(requests)
+        return [f"solved {r}" for r in requests]
+
+    monkeypatch.setattr(batchrun, "solve_batch", solve)
+    monkeypatch.setattr(batchrun.time, "perf_counter", lambda: clock[0])
+    task = TASKS["denoise"]
+    image = np.zeros((1, 8, 8), dtype=np.float32)
+    jobs = [
+        batchrun.Job(Path(f"{k}.png"), Path(f"o{k}.png"), task.prepare(image, None, task.options(), {}))
+        for k in range(22)
+    ]
+    done = list(batchrun.run(task, None, jobs, None))
+    assert sizes == expected
+    assert [job.source.name for batch, _, _ in done for job in batch] == [f"{k}.png" for k in range(22)]
+    assert all(len(batch) == len(solved) for batch, solved, _ in done)
