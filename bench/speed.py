@@ -17,6 +17,10 @@ Sections (all by default; each prints a Markdown table):
   budget and a 128 MiB one.
 - ``warmstart``: the segmenter (Bernoulli, Anderson) from ``σ(0)`` against a start from its
   linearised equilibrium, on generated shapes with additive noise.
+- ``backends``: each zero-border convolution backend (``kdeq.backends``) on the filter shapes of the
+  shipped conv models at 256² and 512², one image and eight, and the models' solves with the
+  backend pinned to ``padded`` (torch's own) against the measured choice, on one Set12-like
+  generated image with σ = 25 noise (segment: its binarised shapes).
 - ``cli``: ``kdeq denoise`` on ``--cli-images`` generated 256² noisy images (σ = 25, given) in one
   call, its wall time ÷ (the count × the default denoiser's in-process solve of the same images,
   measured in this process first), beside one process per image for the first four.
@@ -298,11 +302,74 @@ def section_cli(args: argparse.Namespace) -> None:
     print(f"| `kdeq denoise` once per image (first 4) | {single:.3f} | {single / solve:.2f} |")
 
 
+def section_backends(args: argparse.Namespace) -> None:
+    from kdeq import backends
+    from kdeq.cli import test_image
+
+    print("\n### Zero-border convolution backends: ms per call (median of 3 after a warm-up)\n")
+    print("`fft` is timed only where `kdeq.backends.candidates` would time it.\n")
+    print("| filter bank | input | padded | prepadded | fft | measured choice |")
+    print("|---|---|---|---|---|---|")
+    banks = [(1, 1, 11, 11), (1, 1, 9, 9), (1, 1, 17, 17), (3, 3, 11, 11), (1, 1, 3, 3)]
+    for bank_shape in banks:
+        for batch, size in ((1, 256), (1, 512), (8, 256)):
+            x = torch.rand(batch, bank_shape[1], size, size)
+            bank = torch.rand(bank_shape)
+            times = backends.measure(x, bank)
+            cells = " | ".join(
+                f"{times[n] * 1e3:.2f}" if n in times else "not timed" for n in backends.BACKENDS
+            )
+            print(f"| {bank_shape} | {tuple(x.shape)} | {cells} | {backends.choose(times)} |")
+    models = default_models_dir()
+    print("\n### Models with zero-border kernels: ms per solve, backend pinned to `padded` ÷ measured\n")
+    print("| model | image | `padded` | measured | ratio | max abs difference |")
+    print("|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(args.seed)
+    for name, version in (
+        ("denoise-stationary-kglm", 1),
+        ("denoise-stationary-kglm", 2),
+        ("inpaint-kglm", 2),
+        ("inpaint-kglm", 3),
+        ("segment-kglm", 2),
+    ):
+        model = load_predictor(find_model(models, name, version), "cpu")
+        for size in (256, 512):
+            clean = test_image(size)
+            if name.startswith("segment"):
+                x = (clean > 0.5).float() + 0.5 * torch.randn(clean.shape, generator=gen)
+
+                def solve(x=x, model=model):
+                    return model.predict(x).output
+
+            elif name.startswith("inpaint"):
+                mask = (torch.rand(clean.shape, generator=gen) < 0.5).float()
+
+                def solve(clean=clean, mask=mask, model=model):
+                    return model.predict(clean, mask).output
+
+            else:
+                x = clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)
+
+                def solve(x=x, model=model):
+                    return model.predict(x, sigma=SIGMA).output
+
+            with backends.force_backend("padded"):
+                pinned = best_time(solve, args.repeat)
+                reference = solve()
+            measured = best_time(solve, args.repeat)
+            diff = (solve() - reference).abs().max().item()
+            print(
+                f"| {model.name} | {size}² | {pinned * 1e3:.1f} | {measured * 1e3:.1f} | "
+                f"{pinned / measured:.1f} | {diff:.1e} |"
+            )
+
+
 SECTIONS = {
     "models": section_models,
     "linear": section_linear,
     "memory": section_memory,
     "warmstart": section_warmstart,
+    "backends": section_backends,
     "cli": section_cli,
 }
 

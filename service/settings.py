@@ -107,6 +107,12 @@ class Settings(BaseModel):
         "0.3 s per model at 32 and 1–7 s per model at 256 (20 s for the four default models)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+    conv_backend: Literal["auto", "padded", "prepadded", "fft"] = Field(
+        "auto",
+        description="how the models' zero-border convolutions run on the CPU (`kdeq.backends`): `auto` "
+        "times `padded`, `prepadded` and (for large filters) `fft` on the first input of each shape class "
+        "(the warm-up's included), keeps the fastest and logs it; a name pins that one",
+    )
 
     @field_validator("models", "device", "warmup_sizes", mode="before")
     @classmethod

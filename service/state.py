@@ -18,6 +18,7 @@ import logging
 import threading
 from typing import Literal
 
+from kdeq import backends
 from kdeq.tasks import TASKS, Solved, solve_batch
 from service.devices import choose_devices, classify, release_memory, select_device, trim_heap
 from service.engine import Engine, Job
@@ -41,6 +42,7 @@ class Service:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        backends.pin(settings.conv_backend)
         choice = choose_devices(settings.device)
         log.log(choice.level, "serving on %s: %s", ",".join(choice.devices), choice.reason)
         self.devices = choice.devices

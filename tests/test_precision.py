@@ -4,13 +4,14 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kdeq import adaptive, deq, linear, precision
+from kdeq import adaptive, backends, deq, linear, precision
 from kdeq.cli import test_image as piecewise_image
 from kdeq.repository import load_predictor
 from tests.helpers import predict_arguments
@@ -53,9 +54,10 @@ def process_tf32():
 
 
 @pytest.fixture
-def emulated_cudnn(monkeypatch: pytest.MonkeyPatch, process_tf32: None) -> None:
+def emulated_cudnn(monkeypatch: pytest.MonkeyPatch, process_tf32: None) -> Iterator[None]:
     """``F.conv2d`` that, like cuDNN on an Ampere or later GPU, rounds its float32 operands to TF32
-    when the process's flag allows it (TF32 here, as cuDNN's default is)."""
+    when the process's flag allows it (TF32 here, as cuDNN's default is); every zero-border
+    convolution runs through it, as on a GPU (``kdeq.backends`` measures only on the CPU)."""
     exact = F.conv2d
 
     def conv2d(x: torch.Tensor, w: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -64,6 +66,8 @@ def emulated_cudnn(monkeypatch: pytest.MonkeyPatch, process_tf32: None) -> None:
         return exact(x, w, *args, **kwargs)
 
     monkeypatch.setattr(F, "conv2d", conv2d)
+    with backends.force_backend("padded"):
+        yield
 
 
 def test_tf32_convolutions_change_the_inpainters_answer_and_ieee_float32_prevents_it(

@@ -24,12 +24,14 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
             "KDEQ_BATCH_WAIT_SECONDS": "0.01",
             "KDEQ_API_KEY": "s3cr3t-key",
             "KDEQ_WARMUP": "false",
+            "KDEQ_CONV_BACKEND": "prepadded",
             "PATH": "/bin",
         }
     )
     assert s.models_dir == tmp_path and s.models == ("denoise-kglm", "segment-kglm:1")
     assert s.device == ("cpu",) and s.devices() == ["cpu"]
     assert (s.port, s.max_batch_size, s.batch_wait_seconds, s.warmup) == (9000, 4, 0.01, False)
+    assert s.conv_backend == "prepadded"
     assert s.api_key.get_secret_value() == "s3cr3t-key" and "s3cr3t" not in repr(s)
     assert Settings.from_env({"KDEQ_PORT": "9000"}, port=9100).port == 9100
 
@@ -44,6 +46,7 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
         ({"KDEQ_DEVICE": "cuda:7"}, "KDEQ_DEVICE"),
         ({"KDEQ_DEVICE": "auto,cpu"}, "KDEQ_DEVICE"),
         ({"KDEQ_LOG_LEVEL": "loud"}, "KDEQ_LOG_LEVEL"),
+        ({"KDEQ_CONV_BACKEND": "winograd"}, "KDEQ_CONV_BACKEND"),
         ({"KDEQ_REQUEST_TIMEOUT_SECONDS": "-1"}, "KDEQ_REQUEST_TIMEOUT_SECONDS"),
         ({"KDEQ_API_KEY": ""}, "KDEQ_API_KEY"),  # an empty key must not silently turn auth off
     ],

@@ -1,0 +1,194 @@
+"""Zero-border convolutions by the backend measured fastest, once per shape class (the CPU's
+``cudnn.benchmark``).
+
+The same correlation ``y = C ⋆ x`` with a zero border, ``(B, c_in, H, W) → (B, c_out, H, W)``, has
+several exact implementations whose speed depends on the machine and the shapes:
+
+- ``padded``: ``F.conv2d(x, C, padding=r)``, torch's own. On this project's CPU oneDNN runs a
+  one-channel 11×11 filter over 256² this way in ~24 ms;
+- ``prepadded``: the zeros put in first (``F.pad``), then an unpadded ``F.conv2d``: the same filter
+  in ~1.7 ms (oneDNN takes another path without the padding), and no faster for 3×3 filters;
+- ``fft``: the product of the spectra on a grid padded by the filter, which pays for large filters.
+
+On the CPU ``conv_zeros`` times the candidates (``candidates``) on the first input of a shape class
+(the batch and each side rounded up to a power of two, the channels and the filter exact), keeps the
+fastest, and logs the choice (logger ``kdeq.backends``). A backend is passed over for a later one
+(in the order above) only when that one is at least ``MARGIN`` times faster, so that timing noise
+does not flip a close choice between runs. Other devices use ``padded`` (cuDNN does its own
+benchmarking). ``KDEQ_CONV_BACKEND`` (or
+``force_backend``) pins one backend for every shape; ``auto`` measures.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+#: how much faster a backend must measure to be chosen over one listed before it
+MARGIN = 1.2
+#: timed runs per backend after one warm-up; the median counts
+RUNS = 3
+#: ``fft`` is timed only for filters of at least this many taps, on at most this many channel pairs
+FFT_MIN_TAPS = 25
+FFT_MAX_PAIRS = 9
+
+log = logging.getLogger("kdeq.backends")
+
+
+def _padded(x: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+    return F.conv2d(x, bank, padding=(bank.shape[-2] // 2, bank.shape[-1] // 2))
+
+
+def _prepadded(x: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+    rh, rw = bank.shape[-2] // 2, bank.shape[-1] // 2
+    return F.conv2d(F.pad(x, (rw, rw, rh, rh)), bank)
+
+
+def _fft(x: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+    """``y[o] = Σ_i C[o, i] ⋆ x[i]`` by the DFT on the ``(H + kh − 1)×(W + kw − 1)`` grid, where the
+    circular correlation of the zero-extended image equals the zero-border one on the image."""
+    kh, kw = bank.shape[-2:]
+    h, w = x.shape[-2:]
+    size = (h + kh - 1, w + kw - 1)
+    spectrum = torch.fft.rfft2(F.pad(x, (0, kw - 1, 0, kh - 1)))
+    # the correlation's taps reversed and centred on the origin: the filter as a convolution
+    taps = torch.fft.rfft2(bank.flip(-2, -1), s=size)
+    out = torch.fft.irfft2(torch.einsum("bihw,oihw->bohw", spectrum, taps), s=size)
+    return out[..., kh // 2 : kh // 2 + h, kw // 2 : kw // 2 + w]
+
+
+BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "padded": _padded,
+    "prepadded": _prepadded,
+    "fft": _fft,
+}
+
+_lock = threading.Lock()
+_chosen: dict[tuple, str] = {}
+#: ``force_backend``'s pins, innermost last, and ``pin``'s
+_forced: list[str] = []
+_process: list[str] = []
+
+
+def _check(name: str) -> str:
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"the convolution backend is auto or one of {sorted(BACKENDS)}, got {name!r}")
+    return name
+
+
+def _pinned() -> str | None:
+    """The backend pinned by ``force_backend``, ``pin`` or ``KDEQ_CONV_BACKEND``, in that order
+    (``None``: measure)."""
+    if _forced:
+        name = _forced[-1]
+    elif _process:
+        name = _process[-1]
+    else:
+        name = _check(os.environ.get("KDEQ_CONV_BACKEND", "auto"))
+    return None if name == "auto" else name
+
+
+def pin(name: str) -> None:
+    """Use backend ``name`` for every shape from now on, in this process, over ``KDEQ_CONV_BACKEND``
+    (the service's setting of that name); ``auto`` drops the pin."""
+    _process[:] = [] if _check(name) == "auto" else [name]
+
+
+@contextmanager
+def force_backend(name: str) -> Iterator[None]:
+    """Within: every ``conv_zeros`` uses backend ``name`` (``auto``: measure)."""
+    _forced.append(_check(name))
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def shape_class(x: torch.Tensor, bank: torch.Tensor) -> tuple:
+    """The key a choice is kept under: device type, dtype, the filter bank's shape exactly, the batch
+    and each side rounded up to a power of two."""
+    b, _, h, w = x.shape
+    return (x.device.type, x.dtype, tuple(bank.shape), _bucket(b), _bucket(h), _bucket(w))
+
+
+def candidates(bank: torch.Tensor) -> list[str]:
+    """The backends worth timing for ``bank`` ``(c_out, c_in, kh, kw)``, in ``BACKENDS``' order:
+    ``fft`` only for a large filter on few channel pairs (on many channels of a small filter it is
+    far slower, and timing it would cost a request its deadline)."""
+    c_out, c_in, kh, kw = bank.shape
+    keep = {"padded", "prepadded"}
+    if kh * kw >= FFT_MIN_TAPS and c_out * c_in <= FFT_MAX_PAIRS:
+        keep.add("fft")
+    return [name for name in BACKENDS if name in keep]
+
+
+def measure(x: torch.Tensor, bank: torch.Tensor) -> dict[str, float]:
+    """Median seconds of each of ``candidates(bank)`` on ``x`` and ``bank`` (no autograd), after a
+    warm-up."""
+    times = {}
+    with torch.no_grad():
+        for name in candidates(bank):
+            fn = BACKENDS[name]
+            fn(x, bank)
+            runs = []
+            for _ in range(RUNS):
+                start = time.perf_counter()
+                fn(x, bank)
+                runs.append(time.perf_counter() - start)
+            times[name] = sorted(runs)[RUNS // 2]
+    return times
+
+
+def choose(times: dict[str, float]) -> str:
+    """The first timed backend, in ``BACKENDS``' order of preference, within ``MARGIN`` of the
+    fastest: a close call always goes the same way, so the choice does not flip with timing noise."""
+    best = min(times.values())
+    return next(name for name in BACKENDS if name in times and times[name] <= best * MARGIN)
+
+
+def backend_for(x: torch.Tensor, bank: torch.Tensor) -> str:
+    """The backend ``conv_zeros`` uses for ``x`` and ``bank``: pinned, ``padded`` off the CPU, else
+    the one measured for their shape class (measured now if it is the first of its class)."""
+    pinned = _pinned()
+    if pinned is not None:
+        return pinned
+    if x.device.type != "cpu":
+        return "padded"
+    key = shape_class(x, bank)
+    with _lock:
+        if key not in _chosen:
+            times = measure(x.detach(), bank.detach())
+            _chosen[key] = choose(times)
+            spent = ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items())
+            shapes = (tuple(bank.shape), tuple(x.shape), x.dtype)
+            log.info("conv %s on %s (%s): %s -> %s", *shapes, spent, _chosen[key])
+        return _chosen[key]
+
+
+def conv_zeros(x: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
+    """``C ⋆ x`` with a zero border, ``(B, c_in, H, W) → (B, c_out, H, W)``, for ``bank``
+    ``(c_out, c_in, kh, kw)`` with odd sides, by ``backend_for``'s backend."""
+    return BACKENDS[backend_for(x, bank)](x, bank)
+
+
+def chosen() -> dict[tuple, str]:
+    """The choices made so far, by shape class."""
+    with _lock:
+        return dict(_chosen)
+
+
+def forget() -> None:
+    """Drop every choice (the next input of each class is measured again)."""
+    with _lock:
+        _chosen.clear()
