@@ -146,3 +146,28 @@ def test_the_service_pins_its_setting(tmp_path) -> None:
         assert backends._pinned() is None
     finally:
         backends.pin("auto")
+
+
+@pytest.mark.parametrize(("env", "expected"), [(None, "prepadded"), ("fft", "fft")])
+def test_training_pins_a_backend_so_that_a_resumed_run_repeats_its_arithmetic(
+    monkeypatch, tmp_path, env, expected
+) -> None:
+    from kdeq.train import loop
+    from kdeq.train.config import TrainConfig
+
+    if env is None:
+        monkeypatch.delenv("KDEQ_CONV_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("KDEQ_CONV_BACKEND", env)
+    seen = []
+    monkeypatch.setattr(loop, "_train", lambda *args: seen.append(backends._pinned()) or {})
+    cfg = TrainConfig(
+        task="denoise",
+        spec="denoise-stationary-kglm",
+        train=(tmp_path,),
+        val=(tmp_path,),
+        out=tmp_path / "m" / "1",
+    )
+    loop.train(cfg)
+    assert seen == [expected]
+    assert backends._pinned() == env  # the pin ends with the run
