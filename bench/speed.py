@@ -90,7 +90,7 @@ def section_models(args: argparse.Namespace) -> None:
     import baselines as B
 
     models = default_models_dir()
-    default = load_predictor(find_model(models, "denoise-kglm", 1), "cpu")
+    default = load_predictor(find_model(models, "denoise-kglm"), "cpu")
     stationary = load_predictor(find_model(models, "denoise-stationary-kglm"), "cpu")
 
     def kdeq_method(predictor, known: bool):
