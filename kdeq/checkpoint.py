@@ -19,7 +19,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import torch
 from pydantic import (
@@ -248,7 +248,7 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...] | None]:
     arch = spec.architecture
     out: dict[str, tuple[int, ...] | None]
     if isinstance(arch, PlugAndPlayArchitecture):
-        return {f"{PRIOR}{name}": shape for name, shape in expected_tensors(arch.prior).items()}
+        return embed_prior(expected_tensors(arch.prior))
     if isinstance(arch, ConvArchitecture):
         c, k = arch.kernel.channels, 2 * arch.kernel.radius + 1
         out = {name: (c, c, k, k) for name in ("w1", "w2", "v1", "v2")}
@@ -263,6 +263,18 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...] | None]:
 #: the prefix of a plug-and-play checkpoint's prior tensors
 PRIOR = "prior."
 
+T = TypeVar("T")
+
+
+def embed_prior(tensors: dict[str, T]) -> dict[str, T]:
+    """A denoiser's tensors (or their shapes) named as a plug-and-play checkpoint holds them."""
+    return {PRIOR + name: t for name, t in tensors.items()}
+
+
+def _embedded_prior(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The prior's tensors of a plug-and-play checkpoint's ``tensors``, under their own names."""
+    return {k.removeprefix(PRIOR): v for k, v in tensors.items() if k.startswith(PRIOR)}
+
 
 def prior_checkpoint(checkpoint: Checkpoint) -> Checkpoint:
     """The denoiser embedded in a plug-and-play ``checkpoint``: its spec, its tensors (the prefix
@@ -272,7 +284,7 @@ def prior_checkpoint(checkpoint: Checkpoint) -> Checkpoint:
     arch = config.architecture
     if not isinstance(arch, PlugAndPlayArchitecture):
         raise ValueError(f"{checkpoint.path}: a {arch.kind} model embeds no prior")
-    tensors = {k.removeprefix(PRIOR): v for k, v in checkpoint.tensors.items() if k.startswith(PRIOR)}
+    tensors = _embedded_prior(checkpoint.tensors)
     blob = save_safetensors({k: v.contiguous() for k, v in sorted(tensors.items())})
     prior = ModelConfig(
         **arch.prior.model_dump(),
@@ -315,8 +327,7 @@ def _symmetric(bank: torch.Tensor) -> bool:
 def _check_kernels(spec: ModelSpec, tensors: dict[str, torch.Tensor], where: Path) -> None:
     """Symmetric PSD kernels where the theory or the solver relies on them."""
     if isinstance(spec.architecture, PlugAndPlayArchitecture):
-        prior = {k.removeprefix(PRIOR): v for k, v in tensors.items()}
-        _check_kernels(spec.architecture.prior, prior, where)
+        _check_kernels(spec.architecture.prior, _embedded_prior(tensors), where)
         return
     if isinstance(spec.architecture, GuidedArchitecture):
         spatial = tensors["spatial"]

@@ -22,7 +22,6 @@ import torch
 
 from kdeq.adaptive import GuidedKernel
 from kdeq.checkpoint import (
-    PRIOR,
     Checkpoint,
     ConvArchitecture,
     FixedLambda,
@@ -32,6 +31,7 @@ from kdeq.checkpoint import (
     NoiseLambda,
     PlugAndPlayArchitecture,
     Provenance,
+    embed_prior,
     save_checkpoint,
 )
 from kdeq.filters import gaussian_taps
@@ -49,7 +49,7 @@ def init_tensors(spec: ModelSpec) -> dict[str, torch.Tensor]:
     its prior's, named ``prior.<name>``."""
     arch = spec.architecture
     if isinstance(arch, PlugAndPlayArchitecture):
-        return {PRIOR + name: t for name, t in init_tensors(arch.prior).items()}
+        return embed_prior(init_tensors(arch.prior))
     if isinstance(arch, ConvArchitecture):
         bank = arch.kernel.filter_bank(torch.float64)
         require_psd_filter(bank, "the kernel's filter bank", 1e-9)
@@ -93,9 +93,8 @@ def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[
         epochs=origin.epochs,
         notes=f"plug-and-play around {own.name}:{own.version} (kdeq init --prior); the prior: {origin.notes}",
     )
-    tensors = {PRIOR + name: t for name, t in prior.tensors.items()}
     directory = root / spec.name / str(spec.version)
-    return directory, save_checkpoint(directory, spec, tensors, provenance)
+    return directory, save_checkpoint(directory, spec, embed_prior(prior.tensors), provenance)
 
 
 DEFAULT_SPECS: tuple[ModelSpec, ...] = (
