@@ -40,6 +40,9 @@ RUNS = 3
 FFT_MIN_TAPS = 25
 FFT_MAX_PAIRS = 9
 
+#: the environment variable that pins a backend (``auto``: measure)
+ENV = "KDEQ_CONV_BACKEND"
+
 log = logging.getLogger("kdeq.backends")
 
 
@@ -92,7 +95,7 @@ def _pinned() -> str | None:
     elif _process:
         name = _process[-1]
     else:
-        name = _check(os.environ.get("KDEQ_CONV_BACKEND", "auto"))
+        name = _check(os.environ.get(ENV, "auto"))
     return None if name == "auto" else name
 
 
@@ -110,6 +113,15 @@ def force_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _forced.pop()
+
+
+@contextmanager
+def reproducible(default: str) -> Iterator[None]:
+    """Within: ``KDEQ_CONV_BACKEND``'s backend where it names one, else ``default``, for every shape,
+    with no timing that could choose differently in another process (``kdeq train``: its ranks and
+    a resumed run repeat the same arithmetic)."""
+    with force_backend(os.environ.get(ENV, default)):
+        yield
 
 
 def _bucket(n: int) -> int:

@@ -304,8 +304,8 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
         )
     try:
         # every rank, and a resumed run, must repeat the same arithmetic: no per-process timing of
-        # the convolution backends (kdeq.backends), unless KDEQ_CONV_BACKEND names one
-        with backends.force_backend(os.environ.get("KDEQ_CONV_BACKEND", TRAINING_BACKEND)):
+        # the convolution backends
+        with backends.reproducible(TRAINING_BACKEND):
             return _train(cfg, progress, rank, device)
     finally:
         if owned:
