@@ -25,6 +25,10 @@ Sections (all by default; each prints a Markdown table):
   call, its wall time ÷ (the count × the default denoiser's in-process solve of the same images,
   measured in this process first), beside one process per image for the first four.
 
+- ``tiling``: the default denoiser on Kodak24 photo mosaics from 1.6 to 25 megapixels: tiled
+  (``kdeq.tiling``) against untiled in process (time, PSNR, largest difference) where both fit, then
+  ``kdeq denoise`` on each mosaic's PNG in a fresh process: its peak resident memory and time.
+
 GPU figures come from ``bench/gpu.sh`` (``bench/gpu.py``), which runs the CUDA suite first.
 
 Times are the best of ``--repeat`` runs after a warm-up, with torch's default threads. Needs
@@ -364,6 +368,93 @@ def section_backends(args: argparse.Namespace) -> None:
             )
 
 
+def mosaic(rows: int, cols: int) -> torch.Tensor:
+    """A ``(3, 512·rows, 768·cols)`` colour photo mosaic of Kodak24 (portrait images turned), in order."""
+    import baselines as B
+
+    from kdeq.imageio import read_image
+
+    kodak = sorted((B.DATA / "Kodak24").glob("*.png"))
+    parts = [read_image(p)[0] for p in kodak]
+    parts = [im if im.shape[-1] == 768 else im.transpose(-1, -2) for im in parts]
+    grid = [torch.cat([parts[(cols * r + c) % len(parts)] for c in range(cols)], -1) for r in range(rows)]
+    return torch.cat(grid, -2)
+
+
+# the peak is VmHWM, the process's own high-water mark (getrusage's maxrss is inherited from the
+# parent across fork and exec, so it would report this benchmark's peak)
+TILING_PROBE = """
+import sys, time
+from kdeq.cli import main
+start = time.perf_counter()
+code = main(["denoise", sys.argv[1], "-o", sys.argv[2], "--sigma", "25", "--tile", sys.argv[3]])
+seconds = time.perf_counter() - start
+peak = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(code, peak, seconds)
+"""
+
+
+def section_tiling(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from kdeq.imageio import write_png
+    from kdeq.tasks import TASKS, solve_batch
+    from kdeq.tiling import TILE_SIZE, solve_tiled
+
+    model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cpu")
+    task = TASKS["denoise"]
+    print(
+        f"\n### Tiles: {model.name}, Kodak24 mosaics, σ = 25 (given), tiles of {TILE_SIZE}, "
+        f"halo {model.reach}\n"
+    )
+    print("In process, the same noisy image tiled and untiled (seconds, PSNR against the clean mosaic):\n")
+    print("| image | untiled s | tiled s | tiled ÷ untiled | untiled PSNR | tiled − untiled (dB) | max |Δ| |")
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(args.seed)
+    for rows, cols in [(2, 2), (3, 3)]:
+        clean = mosaic(rows, cols)
+        noisy = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).numpy()
+        request = task.prepare(noisy, None, task.options(sigma=SIGMA), {})
+        start = time.perf_counter()
+        whole = solve_batch(task, model, [request])[0]
+        untiled = time.perf_counter() - start
+        start = time.perf_counter()
+        cut = solve_tiled(task, model, request, TILE_SIZE)
+        tiled = time.perf_counter() - start
+        psnr = [-10 * np.log10(((r.output.clip(0, 1) - clean.numpy()) ** 2).mean()) for r in (whole, cut)]
+        print(
+            f"| {clean.shape[-1]}×{clean.shape[-2]} ({clean[0].numel() / 1e6:.1f} MP) | {untiled:.1f} | "
+            f"{tiled:.1f} | {tiled / untiled:.2f} | {psnr[0]:.3f} | {psnr[1] - psnr[0]:+.4f} | "
+            f"{np.abs(cut.output - whole.output).max():.1e} |"
+        )
+    print("\nThrough `kdeq denoise IMG -o OUT --sigma 25` (reading and writing the PNGs included), a fresh")
+    print("process per row; peak resident memory of the whole process:\n")
+    print("| image | tiles | peak RSS (MiB) | s | s per MP |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for rows, cols in [(2, 2), (3, 3), (4, 4), (6, 6), (8, 8)]:
+            clean = mosaic(rows, cols)
+            path = Path(tmp) / "noisy.png"
+            write_png(path, (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1))
+            mp = clean[0].numel() / 1e6
+            del clean
+            for tile in [TILE_SIZE] + ([0] if rows <= 3 else []):
+                out = subprocess.run(
+                    [sys.executable, "-c", TILING_PROBE, str(path), str(Path(tmp) / "out.png"), str(tile)],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    cwd=ROOT,
+                ).stdout.split()
+                code, peak, seconds = int(out[-3]), int(out[-2]) / 1024, float(out[-1])
+                what = f"{tile}²" if tile else "none (untiled)"
+                note = "" if code == 0 else f" (exit {code})"
+                print(
+                    f"| {768 * cols}×{512 * rows} ({mp:.1f} MP) | {what} | {peak:.0f}{note} | "
+                    f"{seconds:.1f} | {seconds / mp:.2f} |"
+                )
+
+
 SECTIONS = {
     "models": section_models,
     "linear": section_linear,
@@ -371,6 +462,7 @@ SECTIONS = {
     "warmstart": section_warmstart,
     "backends": section_backends,
     "cli": section_cli,
+    "tiling": section_tiling,
 }
 
 

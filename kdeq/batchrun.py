@@ -6,7 +6,8 @@ run before it has written anything. The requests are then grouped by image shape
 cut into batches of a given size or of the size ``run`` measures to be faster, and each batch is
 solved by ``solve_batch`` and its outputs written at once. A batch of equal shapes solves, per
 image, the system that image solves alone (``kdeq.predictor``), so batching changes the time, not
-the results.
+the results. An image larger than the tile size (``--tile``) of a task that solves in tiles is solved
+a tile at a time (``kdeq.tiling``), and its tiles are the unit of batching and of progress.
 
 With one input ``OUT`` is the output file; with several it is a folder, each output named after its
 input (``OUT/<stem>.png``; two inputs with one stem are refused rather than one overwriting the
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kdeq import tiling
 from kdeq.imageio import read_image, read_mask
 from kdeq.predictor import Predictor, SolverOverride
 from kdeq.tasks import InputError, Options, Request, Solved, Task, solve_batch
@@ -122,10 +124,28 @@ def batches(task: Task, jobs: Sequence[Job], size: int) -> list[list[Job]]:
 MEASURED_BATCH = 8
 
 
+def units(task: Task, predictor: Predictor, job: Job, tile: int | None) -> int:
+    """The progress units of ``job``: its tiles when ``tile`` (``kdeq.tiling``) cuts it, else 1."""
+    if not tiling.tiled(task, predictor, job.request, tile or 0):
+        return 1
+    height, width = job.request.image.shape[-2:]
+    return len(tiling.tiles(height, width, tile, 0))
+
+
 def run(
-    task: Task, predictor: Predictor, jobs: Sequence[Job], size: int | None
+    task: Task,
+    predictor: Predictor,
+    jobs: Sequence[Job],
+    size: int | None,
+    tile: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[list[Job], list[Solved], float]]:
-    """Solve ``jobs`` batch by batch: each batch, its results and its seconds, as it is done.
+    """Solve ``jobs`` batch by batch: each batch, its results and its seconds, as it is done;
+    ``progress(n)`` after every ``n`` units (``units``) done.
+
+    An image larger than ``tile × tile`` pixels, of a task that solves in tiles, is solved alone a
+    tile at a time (``kdeq.tiling.solve_tiled``), its tiles batched by ``size`` (default 1), after the
+    other images.
 
     ``size`` fixes the batches (``batches``). ``None`` measures, per group, whether batching pays: its
     first image is solved alone (a warm-up), its second alone and timed, then up to ``MEASURED_BATCH``
@@ -133,26 +153,34 @@ def run(
     per image, else one by one. Every measured solve is one of the run's own, so measuring costs
     nothing but the choice. (On this project's CPU the default guided denoiser runs ~1.5× slower per
     image in a batch of 8, its weight maps outgrowing the caches, and a stationary one ~7× faster.)"""
+    whole = [job for job in jobs if not tiling.tiled(task, predictor, job.request, tile or 0)]
+    cut = [job for job in jobs if tiling.tiled(task, predictor, job.request, tile or 0)]
+
+    def solve(batch: list[Job]) -> tuple[list[Job], list[Solved], float]:
+        start = time.perf_counter()
+        solved = solve_batch(task, predictor, [job.request for job in batch])
+        if progress is not None:
+            progress(len(batch))
+        return batch, solved, time.perf_counter() - start
+
     if size is not None:
-        yield from (_solve(task, predictor, batch) for batch in batches(task, jobs, size))
-        return
-    for group in groups(task, jobs):
-        head, trial = group[:2], group[2 : 2 + MEASURED_BATCH]
-        alone = 0.0
-        for job in head:
-            done = _solve(task, predictor, [job])
-            alone = done[2]
+        yield from (solve(batch) for batch in batches(task, whole, size))
+    else:
+        for group in groups(task, whole):
+            head, trial = group[:2], group[2 : 2 + MEASURED_BATCH]
+            alone = 0.0
+            for job in head:
+                done = solve([job])
+                alone = done[2]
+                yield done
+            if not trial:
+                continue
+            done = solve(trial)
             yield done
-        if not trial:
-            continue
-        done = _solve(task, predictor, trial)
-        yield done
-        chosen = MEASURED_BATCH if done[2] / len(trial) < alone else 1
-        rest = group[2 + len(trial) :]
-        yield from (_solve(task, predictor, rest[i : i + chosen]) for i in range(0, len(rest), chosen))
-
-
-def _solve(task: Task, predictor: Predictor, batch: list[Job]) -> tuple[list[Job], list[Solved], float]:
-    start = time.perf_counter()
-    solved = solve_batch(task, predictor, [job.request for job in batch])
-    return batch, solved, time.perf_counter() - start
+            chosen = MEASURED_BATCH if done[2] / len(trial) < alone else 1
+            rest = group[2 + len(trial) :]
+            yield from (solve(rest[i : i + chosen]) for i in range(0, len(rest), chosen))
+    for job in cut:
+        start = time.perf_counter()
+        solved = tiling.solve_tiled(task, predictor, job.request, tile, batch=size or 1, progress=progress)
+        yield [job], [solved], time.perf_counter() - start

@@ -50,6 +50,7 @@ from kdeq.repository import default_models_dir, find_model, list_models, load_pr
 from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
 from kdeq.tasks import TASKS, Task
+from kdeq.tiling import TILE_SIZE
 from kdeq.train import calibrate, init_compare
 from kdeq.train import cli as train_cli
 
@@ -145,9 +146,14 @@ def _run_model(args: argparse.Namespace) -> int:
     several = len(jobs) > 1
     if several:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    progress = Progress(len(jobs)) if several and sys.stderr.isatty() else None
+    if args.tile < 0:
+        raise ValueError(f"--tile is a tile side in pixels or 0, got {args.tile}")
+    sizes = [batchrun.units(task, predictor, job, args.tile) for job in jobs]
+    tiled = sum(sizes) > len(jobs)
+    progress = Progress(sum(sizes), "tiles" if tiled else "images") if (several or tiled) else None
     converged = count = batch_count = 0
-    for batch, solved, seconds in batchrun.run(task, predictor, jobs, args.batch_size):
+    update = None if progress is None else progress.advance
+    for batch, solved, seconds in batchrun.run(task, predictor, jobs, args.batch_size, args.tile, update):
         batch_count += 1
         if progress is not None:
             progress.clear()
@@ -163,7 +169,7 @@ def _run_model(args: argparse.Namespace) -> int:
             converged += result.converged
             count += 1
         if progress is not None:
-            progress.update(count)
+            progress.advance(0)
     if progress is not None:
         progress.close()
     if several:
@@ -176,25 +182,33 @@ def _run_model(args: argparse.Namespace) -> int:
 
 
 class Progress:
-    """A one-line progress bar on standard error (``kdeq TASK`` with several inputs, on a terminal)."""
+    """A one-line progress bar of images or tiles on standard error, drawn on a terminal only
+    (``kdeq TASK`` with several inputs or a tiled one)."""
 
     WIDTH = 30
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.update(0)
+    def __init__(self, total: int, unit: str) -> None:
+        self.total, self.unit, self.done = total, unit, 0
+        self.shown = sys.stderr.isatty()
+        self.advance(0)
 
-    def update(self, done: int) -> None:
-        filled = self.WIDTH * done // self.total
+    def advance(self, done: int) -> None:
+        """Count ``done`` more units and redraw."""
+        self.done += done
+        if not self.shown:
+            return
+        filled = self.WIDTH * self.done // self.total
         bar = "#" * filled + "-" * (self.WIDTH - filled)
-        print(f"\r[{bar}] {done}/{self.total} images", end="", file=sys.stderr, flush=True)
+        print(f"\r[{bar}] {self.done}/{self.total} {self.unit}", end="", file=sys.stderr, flush=True)
 
     def clear(self) -> None:
         """Erase the bar, so that the lines printed next start on a clean line."""
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
+        if self.shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        print(file=sys.stderr, flush=True)
+        if self.shown:
+            print(file=sys.stderr, flush=True)
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -255,6 +269,13 @@ def main(argv: list[str] | None = None) -> int:
             "--batch-size",
             type=int,
             help="images of one size solved together (default: batched where a measured batch is faster)",
+        )
+        p.add_argument(
+            "--tile",
+            type=int,
+            default=TILE_SIZE,
+            help=f"solve images of more than N×N pixels in tiles of about N×N, where the task can "
+            f"(default {TILE_SIZE}; 0: never)",
         )
         p.add_argument("--model", help=f"NAME or NAME:VERSION (default {task.name}-kglm, latest version)")
         p.add_argument("--models-dir", default=models_dir)

@@ -50,29 +50,62 @@ class Denoiser(Predictor):
         arch = self.config.architecture
         return isinstance(arch, GuidedArchitecture) or arch.padding == "zeros"
 
+    @property
+    def reach(self) -> int:
+        """``ρ``: the solve's operator rows and mean at a pixel depend on the image within ``ρ`` pixels
+        of it (given ``σ`` and ``level``), so a tile whose halo is ``ρ`` poses its core's rows exactly.
+
+        Guided: the pilot reads ``2·depth + 1`` pixels (3×3 layers on the 2×2-unshuffled image), the
+        pre-smoothing its radius; a weight ``w(x, x + o)``, ``|o|∞ ≤ R``, reads the guide's patches
+        (radius ``p``) at both ends, and the normalisation ``d(x + o)`` another ``R``. Stationary: the
+        larger of the kernel's radius and the normalised-convolution mean's."""
+        arch = self.config.architecture
+        if isinstance(arch, GuidedArchitecture):
+            guide = self.tensors["smoothing"].shape[0] // 2
+            if arch.net is not None:
+                guide = max(guide, 2 * arch.net.depth + 1)
+            return guide + arch.kernel.patch_radius + 2 * arch.kernel.spatial.radius
+        mean = self.mean_taps.shape[0] // 2 if self.config.mean == "normalized_convolution" else 0
+        return max(self.tensors["w1"].shape[-1] // 2, mean)
+
     def forward(
         self,
         images: torch.Tensor,
         sigma: float | Sequence[float] | torch.Tensor | None = None,
         solver: SolverOverride | None = None,
         sizes: Sizes | None = None,
+        level: torch.Tensor | None = None,
     ) -> Prediction:
         """Denoise ``images`` ``(B, c, H, W)``; ``sigma`` on the 0–255 scale, scalar or ``(B,)``;
-        ``sizes`` each image's ``(h, w)`` in a padded batch (``kdeq.predictor``)."""
+        ``sizes`` each image's ``(h, w)`` in a padded batch (``kdeq.predictor``); ``level`` ``(B, c)``
+        the per-channel means that the guide network centres on and a ``global`` mean is, in place of
+        each image's own (a tile's whole image's, ``kdeq.tiling``)."""
         if sizes is not None and not self.pads_exactly:
             raise ValueError(f"{self.name} cannot batch images of different sizes exactly")
         x = self.images(images)
+        if level is not None and (sizes is not None or level.shape != x.shape[:2]):
+            raise ValueError(f"level must be (B, c) = {tuple(x.shape[:2])}, for images of one size")
+        level = None if level is None else level.to(x.device, x.dtype)
         valid = valid_region(x, sizes)
         s = self.noise_level(x, sigma, sizes)
         lam = self.lam(s)
         cfg = self.solver(solver)
         if isinstance(self.config.architecture, GuidedArchitecture):
-            layer, mean, pilot_image = self._guided(x, self._guide_level(s), lam, sizes, valid)
+            layer, mean, pilot_image = self._guided(x, self._guide_level(s), lam, sizes, valid, level)
             out = layer(x, mean=mean, mean_out=mean, solver=cfg)
             return Prediction(out.eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
-        layer, mean = self.conv_layer(Gaussian(), lam), self.mean(x, valid, sizes)
+        layer = self.conv_layer(Gaussian(), lam)
+        mean = self._mean(x, valid, sizes, level)
         out = layer(x, mean=mean, mean_out=mean, mask=valid, solver=cfg)
         return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
+
+    def _mean(
+        self, x: torch.Tensor, valid: torch.Tensor | None, sizes: Sizes | None, level: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``Predictor.mean`` ``(B, c, H, W)``, a ``global`` one being ``level`` when given."""
+        if level is not None and self.config.mean == "global":
+            return level[..., None, None].expand_as(x)
+        return self.mean(x, valid, sizes)
 
     def _guide_level(self, s: torch.Tensor) -> torch.Tensor:
         """``σ`` ``(B,)`` floored as the ``λ`` rule floors it, for the guide and its bandwidth."""
@@ -91,10 +124,15 @@ class Denoiser(Predictor):
         return self.guide(x, self._guide_level(self.noise_level(x, sigma)))[1]
 
     def guide(
-        self, x: torch.Tensor, s: torch.Tensor, sizes: Sizes | None = None
+        self,
+        x: torch.Tensor,
+        s: torch.Tensor,
+        sizes: Sizes | None = None,
+        level: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The guided kernel's guide ``g`` and the guide network's pilot ``p`` (``None`` without one),
-        ``(B, c, H, W)``, for images ``x`` at noise levels ``s`` ``(B,)`` in [0, 1] units."""
+        ``(B, c, H, W)``, for images ``x`` at noise levels ``s`` ``(B,)`` in [0, 1] units (``level``
+        as in ``forward``)."""
         arch = self.config.architecture
         taps = self.tensors["smoothing"]
         guide = (
@@ -106,7 +144,7 @@ class Denoiser(Predictor):
             return guide, None
         net, t = arch.net, self.tensors
         if sizes is None:
-            pilot_image = pilot(x, guide, s, t, net)
+            pilot_image = pilot(x, guide, s, t, net, level)
         else:
             pilot_image = torch.zeros_like(x)
             for k, (h, w) in enumerate(sizes):
@@ -123,12 +161,13 @@ class Denoiser(Predictor):
         lam: torch.Tensor,
         sizes: Sizes | None,
         valid: torch.Tensor | None,
+        level: torch.Tensor | None,
     ) -> tuple[KGLMDEQ, torch.Tensor | None, torch.Tensor | None]:
         """The guided layer, its mean ``m`` and the guide network's pilot ``p`` (``None`` without one),
         each ``(B, c, H, W)``."""
         kern = self.config.architecture.kernel
         taps = self.tensors["smoothing"]
-        guide, pilot_image = self.guide(x, s, sizes)
+        guide, pilot_image = self.guide(x, s, sizes, level)
         # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
         h2 = kern.h2(x.shape[1], s * taps.square().sum()) * self.bandwidth_scale**2
         op = GuidedOperator(
@@ -138,7 +177,7 @@ class Denoiser(Predictor):
             # the padding has no kernel mass (d = 0) and keeps the mean 0
             mean = op.kernel(x) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
         else:
-            mean = self.mean(x, valid, sizes)
+            mean = self._mean(x, valid, sizes, level)
         if pilot_image is not None:
             beta = self.tensors["net_mean_mix"]
             mean = beta * pilot_image + (0.0 if mean is None else (1 - beta) * mean)

@@ -179,14 +179,23 @@ def _per_opponent_channel(
 
 
 def pilot(
-    y: torch.Tensor, base: torch.Tensor, sigma: torch.Tensor, tensors: dict[str, torch.Tensor], net: GuideNet
+    y: torch.Tensor,
+    base: torch.Tensor,
+    sigma: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    net: GuideNet,
+    level: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The denoiser's ``p = b + a·(y − b) + N_θ(y, σ)`` ``(B, c, H, W)`` for ``y`` and ``b``
-    ``(B, c, H, W)``, ``σ`` ``(B,)`` in [0, 1] units; see the module docstring."""
+    ``(B, c, H, W)``, ``σ`` ``(B,)`` in [0, 1] units; see the module docstring. ``N_θ`` reads each
+    channel less its mean, ``level`` ``(B, c)`` when given (a tile's whole image's, ``kdeq.tiling``),
+    else ``y``'s own."""
     s = sigma.to(y.dtype).repeat_interleave(y.shape[1]).reshape(-1, 1, 1, 1)
+    if level is not None:  # in the opponent basis, one value per (sample, channel), sample-major
+        level = (level.to(y.dtype) @ opponent(y.shape[1], y.dtype).to(y.device).T).reshape(-1, 1, 1, 1)
 
     def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
-        h = _unshuffle(u - u.mean(dim=(2, 3), keepdim=True))
+        h = _unshuffle(u - (u.mean(dim=(2, 3), keepdim=True) if level is None else level))
         h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
         return ub + tensors["net_skip"] * (u - ub) + _network(h, tensors, net, tuple(u.shape[-2:]))
 

@@ -20,15 +20,18 @@ def read_image(path: str | Path) -> torch.Tensor:
     with Image.open(path) as im:
         im = ImageOps.exif_transpose(im)
         if im.mode in {"I", "I;16", "I;16B", "I;16L"}:
-            arr = np.asarray(im, dtype=np.float32) / 65535.0
+            arr, scale = np.asarray(im, dtype=np.int32), 65535.0
         elif im.mode == "F":
-            arr = np.asarray(im, dtype=np.float32)
-        elif im.mode in GREY_MODES:
-            arr = np.asarray(im.convert("L"), dtype=np.float32) / 255.0
+            arr, scale = np.asarray(im, dtype=np.float32), 1.0
         else:
-            arr = np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    return (t[None] if t.dim() == 2 else t.permute(2, 0, 1))[None]
+            arr, scale = np.asarray(im.convert("L" if im.mode in GREY_MODES else "RGB")), 255.0
+    arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+    # one float32 (c, H, W) array, filled and scaled in place: a 24-megapixel photo holds its 8-bit
+    # pixels and this, not the three float copies that converting and dividing out of place make
+    out = np.empty(arr.shape, dtype=np.float32)
+    np.copyto(out, arr)
+    out /= np.float32(scale)
+    return torch.from_numpy(out)[None]
 
 
 def read_mask(path: str | Path) -> torch.Tensor:
@@ -38,6 +41,16 @@ def read_mask(path: str | Path) -> torch.Tensor:
 
 def write_png(path: str | Path, image: torch.Tensor) -> None:
     """Write ``image`` ``(c, H, W)`` (``c`` 1 or 3, values clipped to [0, 1]) as an 8-bit PNG."""
-    arr = (image.detach().float().clamp(0, 1) * 255.0).round().to(torch.uint8).cpu()
-    arr = arr[0].numpy() if arr.shape[0] == 1 else arr.permute(1, 2, 0).numpy()
-    Image.fromarray(arr).save(path, format="PNG")
+    Image.fromarray(to_bytes(image)).save(path, format="PNG")
+
+
+def to_bytes(image: torch.Tensor, rows: int = 256) -> np.ndarray:
+    """``round(255·clip(image, 0, 1))`` as ``(H, W)`` (grey) or ``(H, W, c)`` uint8 for ``image``
+    ``(c, H, W)``, converted ``rows`` rows at a time: the float temporaries are a band's, not the
+    image's."""
+    c, height, width = image.shape
+    out = torch.empty((height, width, c), dtype=torch.uint8)
+    for top in range(0, height, rows):
+        band = image[:, top : top + rows].detach().float().cpu().clamp(0, 1).mul_(255.0).round_()
+        out[top : top + rows] = band.permute(1, 2, 0)
+    return out[..., 0].numpy() if c == 1 else out.numpy()

@@ -46,6 +46,12 @@ class ModelSlot:
         """Whether the model batches images of different sizes exactly (``kdeq.predictor``)."""
         return any(p.pads_exactly for p in self.predictors.values())
 
+    @property
+    def tiles(self) -> bool:
+        """Whether the model solves images larger than a tile a tile at a time (``kdeq.tiling``)."""
+        task = TASKS[self.task] if self.task is not None else None
+        return task is not None and any(task.tile_halo(p) is not None for p in self.predictors.values())
+
 
 class ModelRegistry:
     """Resolves the configured model list against the repository at ``root``."""

@@ -224,7 +224,10 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             detail = "; ".join(e["msg"] for e in err.errors(include_url=False))
             raise ApiError(422, "invalid_option", detail) from None
         uploads = {name: form[name] for name in file_names if form[name] is not None}
-        limit = svc.settings.max_pixels
+        # a model that solves in tiles keeps a tile's memory at any size; the others, the image's
+        tiles = slot.tiles and svc.settings.tile_size > 0
+        settings = svc.settings
+        limit = settings.max_pixels if tiles else min(settings.max_pixels, settings.max_untiled_pixels)
 
         def make() -> tuple[TaskRequest, DecodedImage]:
             decoded, arrays = _decode_inputs(task, form["image"], uploads, limit)

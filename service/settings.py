@@ -23,6 +23,7 @@ from pydantic import (
 
 from kdeq.predictor import resolve_device
 from kdeq.repository import default_models_dir
+from kdeq.tiling import TILE_SIZE
 from service.devices import choose_devices
 
 PREFIX = "KDEQ_"
@@ -56,13 +57,32 @@ class Settings(BaseModel):
     host: str = Field("127.0.0.1", description="address to listen on (`0.0.0.0` in containers)")
     port: int = Field(8000, ge=1, le=65535, description="TCP port")
     max_upload_bytes: int = Field(
-        32 * 2**20, ge=1024, description="largest request body, enforced while reading (413 above)"
+        128 * 2**20,
+        ge=1024,
+        description="largest request body, enforced while reading (413 above): a 24-megapixel photo's "
+        "PNG is up to ~75 MB",
     )
     max_pixels: int = Field(
+        32 * 2**20,
+        ge=64,
+        le=2**27,
+        description="largest image, width × height, checked before decoding (413 above); a model that "
+        "does not solve in tiles takes at most `KDEQ_MAX_UNTILED_PIXELS`",
+    )
+    max_untiled_pixels: int = Field(
         4 * 2**20,
         ge=64,
         le=2**27,
-        description="largest image, width × height, checked before decoding (413 above)",
+        description="largest image a model that does not solve in tiles (every task but denoise) takes "
+        "(413 above): its solve's memory grows with the image",
+    )
+    tile_size: int = Field(
+        TILE_SIZE,
+        ge=0,
+        le=2**14,
+        description="images of more than `KDEQ_TILE_SIZE`² pixels are solved in tiles of about this side "
+        "where the model can (`kdeq.tiling`: denoise), so that memory stays a tile's; 0: never "
+        "(then `KDEQ_MAX_UNTILED_PIXELS` bounds every model)",
     )
     max_batch_size: int | None = Field(
         None,
@@ -149,6 +169,13 @@ class Settings(BaseModel):
             raise ValueError("at least one size (turn warm-up off with KDEQ_WARMUP=false)")
         if len(set(value)) != len(value):
             raise ValueError("a size is listed twice")
+        return value
+
+    @field_validator("tile_size")
+    @classmethod
+    def _tile_size(cls, value: int) -> int:
+        if value and (value < 64 or value % 2):
+            raise ValueError("a tile side is an even number of pixels, at least 64, or 0 (no tiles)")
         return value
 
     @model_validator(mode="after")

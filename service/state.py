@@ -19,7 +19,8 @@ import threading
 from typing import Literal
 
 from kdeq import backends
-from kdeq.tasks import TASKS, Solved, solve_batch
+from kdeq.tasks import TASKS, Solved
+from kdeq.tiling import solve_requests
 from service.devices import choose_devices, classify, release_memory, select_device, trim_heap
 from service.engine import Engine, Job
 from service.errors import ApiError, DeviceFailedError
@@ -137,7 +138,14 @@ class Service:
         slot = self.registry.slots[jobs[0].model]
         refusal: ApiError | None = None
         try:
-            solved = solve_batch(TASKS[slot.task], slot.predictors[device], [job.payload for job in jobs])
+            # an image's tiles are batched as far as requests are (a tile is about a small image)
+            solved = solve_requests(
+                TASKS[slot.task],
+                slot.predictors[device],
+                [job.payload for job in jobs],
+                self.settings.tile_size,
+                self.engine.batch_limit,
+            )
         except ValueError as err:  # the model's own input checks: a request it cannot take
             refusal = ApiError(422, "invalid_input", f"{slot.id}: {err}")
         except Exception as err:

@@ -12,6 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from kdeq.repository import load_predictor
+from kdeq.tasks import TASKS
+from kdeq.tiling import solve_tiled
 from service.app import create_app
 from service.settings import Settings
 from tests.service_helpers import (
@@ -322,6 +325,31 @@ def test_pixel_limit_is_checked_from_the_header() -> None:
         body = assert_error(c.post("/denoise", files={"image": bomb}), 413, "too_many_pixels")
         assert "5000×5000" in body["detail"]
         assert metric(c.get("/metrics").text, "kdeq_rejected_requests_total", reason="too_many_pixels") == 1
+
+
+def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None:
+    """Tiles of 64 (``KDEQ_TILE_SIZE``): a 100×130 colour photo is cut into 6 and answered as
+    ``kdeq.tiling`` answers it in process, to a grey level; the inpainter, which solves whole images
+    only, takes at most ``KDEQ_MAX_UNTILED_PIXELS``, while the denoiser takes up to ``KDEQ_MAX_PIXELS``."""
+    clean = np.stack([smooth_image(100, 130, seed=k) for k in range(3)], axis=-1)
+    image = to_uint8(noisy(clean, 20.0))
+    settings = {"tile_size": 64, "max_untiled_pixels": 64 * 64, "models": ("denoise-kglm:2", "inpaint-kglm")}
+    with make_client(warmup=False, **settings) as c:
+        assert c.app.state.service.wait_loaded(120)
+        r = c.post("/denoise", files={"image": encode(image)}, data={"sigma": "20"})
+        assert r.status_code == 200, r.text
+        served = np.asarray(decode(r.content)).astype(int)
+        task = TASKS["denoise"]
+        pixels = (image.astype(np.float32) / 255).transpose(2, 0, 1).copy()
+        request = task.prepare(pixels, None, task.options(sigma=20), {})
+        expected = solve_tiled(task, load_predictor(MODELS / "denoise-kglm" / "2"), request, 64)
+        assert np.abs(served - to_uint8(expected.output.transpose(1, 2, 0)).astype(int)).max() <= 1
+        holes = np.zeros((100, 130), np.uint8)
+        holes[10:14, 20:24] = 255
+        r = c.post("/inpaint", files={"image": encode(image), "mask": encode(holes)})
+        assert "4096" in assert_error(r, 413, "too_many_pixels")["detail"]
+        r = c.post("/inpaint", files={"image": encode(image[:64, :64]), "mask": encode(holes[:64, :64])})
+        assert r.status_code == 200, r.text
 
 
 def test_body_limit_from_content_length() -> None:

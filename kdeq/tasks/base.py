@@ -227,6 +227,31 @@ class Task:
         ``prediction``."""
         return prediction.output[index], {}
 
+    # --- tiles (kdeq.tiling) -----------------------------------------------------------------------
+
+    def tile_halo(self, predictor: Predictor) -> int | None:
+        """The halo, in pixels, that a tile of this task's images needs around its core for
+        ``predictor``'s solve to pose the core's equations as the whole image does; ``None`` (this
+        default) where its requests are solved whole only."""
+        return None
+
+    def whole_image(self, predictor: Predictor, request: Request) -> Request:
+        """``request`` with what ``predictor`` computes from the whole image, and a tile alone would
+        compute differently, fixed in its options or inputs for the tiles cut from it (this default:
+        nothing)."""
+        return request
+
+    def cut(self, request: Request, rows: slice, cols: slice) -> Request:
+        """The tile ``rows × cols`` of ``request``: its image and every per-pixel input ``(·, H, W)``
+        cut to it, the other inputs shared."""
+        size = request.image.shape[-2:]
+        inputs = {
+            k: v[..., rows, cols] if isinstance(v, np.ndarray) and v.shape[-2:] == size else v
+            for k, v in request.inputs.items()
+        }
+        image = np.ascontiguousarray(request.image[:, rows, cols])
+        return Request(image, request.options, inputs, request.solver)
+
     def warmup(self, size: int) -> Request:
         """A generated ``size``×``size`` request that exercises the whole solve."""
         rng = np.random.default_rng(0)

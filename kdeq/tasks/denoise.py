@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from kdeq.checkpoint import ModelSpec
@@ -39,6 +40,21 @@ class Denoise(Task):
         # given levels may differ within a batch (σ is per sample); estimated ones are estimated per image
         return (request.options.sigma is None, request.solver)
 
+    def tile_halo(self, predictor: Denoiser) -> int:
+        """The model's ``reach`` (``kdeq.denoise``)."""
+        return predictor.reach
+
+    def whole_image(self, predictor: Denoiser, request: Request) -> Request:
+        """``σ`` estimated on the whole image where not given, and the image's channel means
+        (``level``, which the guide network centres on) fixed."""
+        image = torch.from_numpy(request.image)[None]
+        options = request.options
+        if options.sigma is None:
+            options = options.model_copy(update={"sigma": float(predictor.noise_level(image, None)) * 255.0})
+        # numpy accumulates in float64 without a float64 copy of the image (torch's mean makes one)
+        level = request.image.mean(axis=(1, 2), dtype=np.float64).astype(np.float32)
+        return Request(request.image, options, {**request.inputs, "level": level}, request.solver)
+
     def run(
         self,
         predictor: Denoiser,
@@ -48,7 +64,9 @@ class Denoise(Task):
     ) -> Prediction:
         first = requests[0]
         sigma = noise_levels(requests)
-        extra = {} if sizes is None else {"sizes": sizes}
+        extra: dict = {} if sizes is None else {"sizes": sizes}
+        if "level" in first.inputs:  # tiles of one image (kdeq.tiling), never batched with others
+            extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
         return predictor.predict(images, sigma=sigma, solver=first.solver, **extra)
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:

@@ -1,0 +1,212 @@
+"""Tiled solves (``kdeq.tiling``): the tiles' geometry, the denoiser's reach, and tiled against
+untiled results."""
+
+import numpy as np
+import pytest
+import torch
+
+from kdeq.cli import main
+from kdeq.cli import test_image as piecewise_image
+from kdeq.denoise import Denoiser
+from kdeq.families import Gaussian
+from kdeq.imageio import read_image, write_png
+from kdeq.predictor import SolverOverride
+from kdeq.repository import default_models_dir, find_model, load_predictor
+from kdeq.tasks import TASKS, Request, solve_batch
+from kdeq.tiling import ALIGN, solve_tiled, spans, tiled, tiles
+
+DENOISE = TASKS["denoise"]
+
+
+def shipped(name: str, version: int | None = None):
+    return load_predictor(find_model(default_models_dir(), name, version))
+
+
+@pytest.fixture(scope="module")
+def default() -> Denoiser:
+    return shipped("denoise-kglm", 2)
+
+
+def noisy(height: int, width: int, colour: bool, sigma: float = 25.0, seed: int = 0) -> np.ndarray:
+    """The CLI's piecewise test image at ``height × width`` (three channels made from it for colour)
+    with Gaussian noise, ``(c, H, W)`` float32."""
+    clean = piecewise_image(max(height, width))[0][:, :height, :width]
+    clean = torch.cat([clean, clean.flip(-1), 1 - clean]) if colour else clean
+    gen = torch.Generator().manual_seed(seed)
+    return (clean + sigma / 255 * torch.randn(clean.shape, generator=gen)).numpy()
+
+
+# ------------------------------------------------------------------------------------------- geometry
+
+
+@pytest.mark.parametrize(("length", "size", "halo"), [(100, 32, 7), (97, 32, 0), (64, 64, 10), (31, 64, 5)])
+def test_cores_cover_every_pixel_once_and_windows_hold_their_halo(length, size, halo) -> None:
+    parts = spans(length, size, halo)
+    covered = np.zeros(length, dtype=int)
+    for window, core in parts:
+        covered[core] += 1
+        assert window.start % ALIGN == 0 and core.start % ALIGN == 0
+        assert window.start <= max(0, core.start - halo) and window.stop == min(length, core.stop + halo)
+        assert window.start > core.start - halo - ALIGN
+        assert core.stop - core.start <= size + ALIGN
+    assert (covered == 1).all()
+    assert len(parts) == -(-length // size)
+    lengths = [c.stop - c.start for _, c in parts]
+    assert max(lengths) - min(lengths) <= 2 * ALIGN  # near-equal parts
+
+
+def test_tiles_are_the_grid_of_both_axes_and_bad_sizes_are_refused() -> None:
+    grid = tiles(70, 100, 32, 4)
+    assert len(grid) == 3 * 4
+    seen = np.zeros((70, 100), dtype=int)
+    for tile in grid:
+        seen[tile.core] += 1
+        rows, _cols = tile.crop
+        assert rows.stop - rows.start == tile.core[0].stop - tile.core[0].start
+        assert tile.shape == (
+            tile.window[0].stop - tile.window[0].start,
+            tile.window[1].stop - tile.window[1].start,
+        )
+    assert (seen == 1).all()
+    for size, halo in [(7, 0), (33, 0), (32, -1)]:
+        with pytest.raises(ValueError, match="tile"):
+            spans(100, size, halo)
+
+
+# ------------------------------------------------------------------------------------------ the reach
+
+
+def equations(model: Denoiser, y: torch.Tensor, at: tuple[int, int]) -> torch.Tensor:
+    """What pixel ``at``'s equation ``z = (K/λ)(y − z) + m`` reads of ``y`` ``(1, c, H, W)`` at σ = 25,
+    with the channel means fixed: ``m`` there, and the operator ``K`` (which the guided kernel builds
+    from ``y``) applied to a fixed probe and to ``y``, ``(3c,)`` or ``(2c,)`` without a mean."""
+    s = torch.tensor([25 / 255])
+    level = torch.full(y.shape[:2], 0.5)
+    with torch.inference_mode():
+        if model.config.architecture.kind == "guided":
+            layer, mean, _ = model._guided(y, s, model.lam(s), None, None, level)
+        else:
+            layer, mean = model.conv_layer(Gaussian(), model.lam(s)), model._mean(y, None, None, level)
+        probe = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+        parts = [layer.w1(probe), layer.w1(y)] + ([] if mean is None else [mean])
+        return torch.cat([p[0, :, at[0], at[1]] for p in parts])
+
+
+@pytest.mark.parametrize("name", ["denoise-kglm", "denoise-stationary-kglm"])
+def test_a_pixel_s_equation_reads_nothing_beyond_the_reach(name) -> None:
+    """Perturb one pixel at ∞-distance ``ρ + 1`` or more from ``x``: ``x``'s equation is bit for bit
+    unchanged; within ``ρ`` it changes. (How far the equation's float32 bits can feel a pixel is less
+    than ``ρ``: far contributions fall below its rounding, so ``ρ``'s tightness is not measurable here.)"""
+    model = shipped(name)
+    rho = model.reach
+    y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=True))[None]
+    at = (rho + 4, 3)
+    base = equations(model, y, at)
+    for distance, unchanged in [(rho + 1, True), (rho + 7, True), (rho // 2, False), (1, False)]:
+        moved = y.clone()
+        moved[..., at[0], at[1] + distance] += 0.5
+        assert torch.equal(equations(model, moved, at), base) == unchanged, distance
+        moved = y.clone()
+        moved[..., at[0] - distance, at[1]] += 0.5
+        assert torch.equal(equations(model, moved, at), base) == unchanged, -distance
+
+
+# ---------------------------------------------------------------------------- tiled against untiled
+
+
+def solve(model, image: np.ndarray, sigma: float | None, tol: float = 1e-4, **tiling) -> object:
+    request = DENOISE.prepare(image, None, DENOISE.options(sigma=sigma), {}, SolverOverride(tol=tol))
+    if not tiling:
+        return solve_batch(DENOISE, model, [request])[0]
+    return solve_tiled(DENOISE, model, request, **tiling)
+
+
+@pytest.mark.parametrize(("colour", "sigma"), [(False, 25.0), (True, None)])
+def test_the_default_denoiser_tiled_matches_the_untiled_solve(default, colour, sigma) -> None:
+    """Halo = reach: the tiles pose the whole image's equations, so the outputs differ only by where
+    each solver stopped (tol 10⁻⁶ here): ≤ 10⁻³, and 0.001 dB of PSNR; with no halo they differ ≫."""
+    image = noisy(150, 206, colour, seed=1)
+    clean = noisy(150, 206, colour, sigma=0.0)
+    whole = solve(default, image, sigma, tol=1e-6)
+    cut = solve(default, image, sigma, tol=1e-6, size=64)
+    bare = solve(default, image, sigma, tol=1e-6, size=64, halo=0)
+    assert cut.output.shape == whole.output.shape
+    assert np.abs(cut.output - whole.output).max() < 1e-3
+    assert np.abs(bare.output - whole.output).max() > 3e-2
+    psnr = [-10 * np.log10(((r.output.clip(0, 1) - clean) ** 2).mean()) for r in (whole, cut)]
+    assert abs(psnr[1] - psnr[0]) < 1e-3
+    # the estimated σ is the whole image's, not each tile's
+    assert cut.fields["sigma"] == pytest.approx(whole.fields["sigma"], rel=1e-6)
+    assert cut.converged and cut.finite and cut.lam == pytest.approx(whole.lam, rel=1e-6)
+
+
+def test_the_stationary_denoiser_tiled_matches_the_untiled_solve() -> None:
+    model = shipped("denoise-stationary-kglm")
+    image = noisy(120, 130, colour=False, seed=2)
+    whole = solve(model, image, 20.0, tol=1e-6)
+    cut = solve(model, image, 20.0, tol=1e-6, size=48, halo=model.reach + 16)
+    # its global mean is the whole image's; its resolvent reaches further than the guided one's
+    assert np.abs(cut.output - whole.output).max() < 5e-3
+
+
+def test_batched_tiles_equal_single_tiles_and_progress_counts_them(default) -> None:
+    image = noisy(100, 100, colour=False, seed=3)
+    counted: list[int] = []
+    one = solve(default, image, 25.0, size=32, progress=counted.append)
+    four = solve(default, image, 25.0, size=32, batch=4)
+    assert sum(counted) == len(tiles(100, 100, 32, 0)) == 16
+    assert np.abs(one.output - four.output).max() < 1e-3
+
+
+def test_tasks_without_a_tiled_solve_refuse_it() -> None:
+    task = TASKS["inpaint"]
+    request = Request(
+        np.zeros((1, 64, 64), np.float32), task.options(), {"missing": np.zeros((1, 64, 64), bool)}
+    )
+    with pytest.raises(ValueError, match="whole images only"):
+        solve_tiled(task, shipped("inpaint-kglm"), request, 32)
+
+
+def test_the_cli_tiles_a_large_image_and_writes_what_the_untiled_solve_writes(tmp_path, capsys) -> None:
+    source = tmp_path / "big.png"
+    write_png(source, torch.from_numpy(noisy(96, 140, colour=True, seed=4)).clamp(0, 1))
+    common = ["--sigma", "25", "--tol", "1e-6"]
+    assert main(["denoise", str(source), "-o", str(tmp_path / "tiled.png"), "--tile", "48", *common]) == 0
+    assert main(["denoise", str(source), "-o", str(tmp_path / "whole.png"), "--tile", "0", *common]) == 0
+    tiled, whole = (read_image(tmp_path / f"{n}.png")[0] for n in ("tiled", "whole"))
+    assert (tiled - whole).abs().max() <= 1 / 255 + 1e-6  # at most one grey level
+    assert main(["denoise", str(source), "-o", str(tmp_path / "x.png"), "--tile", "-1"]) == 2
+    assert "--tile" in capsys.readouterr().err
+
+
+def test_the_tile_s_request_carries_the_whole_image_s_statistics(default) -> None:
+    image = noisy(64, 80, colour=True, seed=5)
+    request = DENOISE.prepare(image, None, DENOISE.options(), {})
+    whole = DENOISE.whole_image(default, request)
+    expected = default.noise_level(torch.from_numpy(image)[None], None) * 255
+    assert whole.options.sigma == pytest.approx(float(expected))
+    np.testing.assert_allclose(whole.inputs["level"], image.mean(axis=(1, 2)), rtol=1e-6)
+    tile = DENOISE.cut(whole, slice(8, 40), slice(0, 32))
+    assert tile.image.shape == (3, 32, 32) and tile.image.flags.c_contiguous
+    np.testing.assert_array_equal(tile.image, image[:, 8:40, :32])
+    assert tile.options == whole.options and tile.inputs["level"] is whole.inputs["level"]
+
+
+def test_cut_slices_per_pixel_inputs_and_shares_the_rest() -> None:
+    task = TASKS["inpaint"]
+    missing = np.zeros((1, 20, 30), bool)
+    missing[0, 5, 7] = True
+    request = Request(
+        np.ones((1, 20, 30), np.float32), task.options(), {"missing": missing, "psf": np.ones((3, 3))}
+    )
+    part = task.cut(request, slice(4, 10), slice(6, 12))
+    assert part.inputs["missing"].shape == (1, 6, 6) and part.inputs["missing"][0, 1, 1]
+    assert part.inputs["psf"] is request.inputs["psf"]
+
+
+def test_only_images_larger_than_a_tile_of_tasks_that_tile_are_cut(default) -> None:
+    request = Request(np.zeros((1, 32, 32), np.float32), DENOISE.options())
+    assert not tiled(DENOISE, default, request, 32) and tiled(DENOISE, default, request, 30)
+    assert not tiled(DENOISE, default, request, 0)
+    inpaint = TASKS["inpaint"]
+    assert not tiled(inpaint, shipped("inpaint-kglm"), Request(request.image, inpaint.options()), 30)
