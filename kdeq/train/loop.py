@@ -28,6 +28,7 @@ phase's parameters (``_epoch_net``).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -309,7 +310,10 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             return _train(cfg, progress, rank, device)
     finally:
         if owned:
-            # a group left to the interpreter's exit can abort the process (gloo's threads outlive it)
+            # a group left to the interpreter's exit can abort the process (gloo's threads outlive it);
+            # so can one still held by the epochs' DistributedDataParallel wrappers, whose reference
+            # cycles only the collector frees: free them while the interpreter is whole, then destroy
+            gc.collect()
             dist.destroy_process_group()
 
 
