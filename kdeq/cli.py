@@ -146,8 +146,6 @@ def _run_model(args: argparse.Namespace) -> int:
     several = len(jobs) > 1
     if several:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.tile < 0:
-        raise ValueError(f"--tile is a tile side in pixels or 0, got {args.tile}")
     sizes = [batchrun.units(task, predictor, job, args.tile) for job in jobs]
     tiled = sum(sizes) > len(jobs)
     progress = Progress(sum(sizes), "tiles" if tiled else "images") if (several or tiled) else None
@@ -179,6 +177,17 @@ def _run_model(args: argparse.Namespace) -> int:
             f"({elapsed / count * 1e3:.0f} ms per image, reading and writing included), written to {args.out}"
         )
     return 0 if converged == count else 3
+
+
+def _tile_side(text: str) -> int:
+    """``--tile``: 0 or an even side of at least 8 pixels (``kdeq.tiling.spans``)."""
+    try:
+        side = int(text)
+    except ValueError:
+        side = -1
+    if side < 0 or (side and (side < 8 or side % 2)):
+        raise argparse.ArgumentTypeError(f"a tile side is 0 or an even number of pixels ≥ 8, not {text!r}")
+    return side
 
 
 class Progress:
@@ -272,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         p.add_argument(
             "--tile",
-            type=int,
+            type=_tile_side,
             default=TILE_SIZE,
             help=f"solve images of more than N×N pixels in tiles of about N×N, where the task can "
             f"(default {TILE_SIZE}; 0: never)",

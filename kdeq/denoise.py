@@ -58,15 +58,28 @@ class Denoiser(Predictor):
         Guided: the pilot reads ``2·depth + 1`` pixels (3×3 layers on the 2×2-unshuffled image), the
         pre-smoothing its radius; a weight ``w(x, x + o)``, ``|o|∞ ≤ R``, reads the guide's patches
         (radius ``p``) at both ends, and the normalisation ``d(x + o)`` another ``R``. Stationary: the
-        larger of the kernel's radius and the normalised-convolution mean's."""
+        kernel's radius. Either: at least a normalised-convolution mean's radius."""
         arch = self.config.architecture
+        mean = self.mean_taps.shape[0] // 2 if self.config.mean == "normalized_convolution" else 0
         if isinstance(arch, GuidedArchitecture):
             guide = self.tensors["smoothing"].shape[0] // 2
             if arch.net is not None:
                 guide = max(guide, 2 * arch.net.depth + 1)
-            return guide + arch.kernel.patch_radius + 2 * arch.kernel.spatial.radius
-        mean = self.mean_taps.shape[0] // 2 if self.config.mean == "normalized_convolution" else 0
+            return max(guide + arch.kernel.patch_radius + 2 * arch.kernel.spatial.radius, mean)
         return max(self.tensors["w1"].shape[-1] // 2, mean)
+
+    @property
+    def solve_reach(self) -> int:
+        """The halo a tile needs for its core's *solution* to match the whole image's to the solver's
+        tolerance: ``reach`` plus, for a stationary kernel, four of its radii. The equilibrium couples
+        pixels through ``(K + λI)⁻¹`` beyond ``reach``; the guided kernel's edge-stopping weights and
+        its pilot mean, already close to the answer (1–3 CG steps), keep that coupling within its
+        reach, while the stationary kernel's 9–15 steps carry it further (``tests/test_tiling.py``
+        measures both at this halo)."""
+        arch = self.config.architecture
+        if isinstance(arch, GuidedArchitecture):
+            return self.reach
+        return self.reach + 4 * (self.tensors["w1"].shape[-1] // 2)
 
     def forward(
         self,

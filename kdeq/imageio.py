@@ -28,10 +28,11 @@ def read_image(path: str | Path) -> torch.Tensor:
     arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
     # one float32 (c, H, W) array, filled and scaled in place: a 24-megapixel photo holds its 8-bit
     # pixels and this, not the three float copies that converting and dividing out of place make
-    out = np.empty(arr.shape, dtype=np.float32)
-    np.copyto(out, arr)
-    out /= np.float32(scale)
-    return torch.from_numpy(out)[None]
+    out = torch.empty(arr.shape, dtype=torch.float32)
+    view = out.numpy()
+    np.copyto(view, arr)
+    view /= np.float32(scale)
+    return out[None]
 
 
 def read_mask(path: str | Path) -> torch.Tensor:

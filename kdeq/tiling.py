@@ -20,6 +20,7 @@ Tiles of one shape are solved in batches (``solve_batch``) and counted one by on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise, product
@@ -96,12 +97,14 @@ def solve_tiled(
     halo: int | None = None,
     batch: int = 1,
     progress: Callable[[int], None] | None = None,
+    batch_pixels: int | None = None,
 ) -> Solved:
     """``request`` solved a tile at a time (module docstring): tiles of about ``size × size`` with
-    ``halo`` pixels around them (default: the task's ``tile_halo``), ``batch`` tiles of one shape per
-    ``predict`` call; ``progress(n)`` after every ``n`` tiles done. The result's output is the cores'
-    outputs together; its iterations and residual are the largest of any tile's, and it converged
-    (is finite) where every tile did."""
+    ``halo`` pixels around them (default: the task's ``tile_halo``), up to ``batch`` tiles of one
+    shape and ``batch_pixels`` pixels (at least one tile) per ``predict`` call; ``progress(n)`` after
+    every ``n`` tiles done (an exception it raises abandons the solve). The result's output is the
+    cores' outputs together; its iterations and residual are the largest of any tile's (a NaN
+    residual wins), and it converged (is finite) where every tile did."""
     need = task.tile_halo(predictor)
     if need is None:
         raise ValueError(f"the {task.name} task solves whole images only; it has no tiled solve")
@@ -117,9 +120,10 @@ def solve_tiled(
         shapes.setdefault(tile.shape, []).append(tile)
     out: np.ndarray | None = None
     stats: list[Solved] = []  # each tile's result, its own output dropped (replaced by the whole's)
-    for group in shapes.values():
-        for i in range(0, len(group), batch):
-            chunk = group[i : i + batch]
+    for shape, group in shapes.items():
+        step = batch if batch_pixels is None else max(1, min(batch, batch_pixels // (shape[0] * shape[1])))
+        for i in range(0, len(group), step):
+            chunk = group[i : i + step]
             solved = solve_batch(task, predictor, [task.cut(whole, *tile.window) for tile in chunk])
             for tile, result in zip(chunk, solved, strict=True):
                 if out is None:
@@ -131,22 +135,30 @@ def solve_tiled(
     return replace(
         stats[0],
         iterations=max(s.iterations for s in stats),
-        residual=max(s.residual for s in stats),
+        residual=max((s.residual for s in stats), key=lambda r: math.inf if math.isnan(r) else r),
         converged=all(s.converged for s in stats),
         finite=all(s.finite for s in stats),
     )
 
 
 def solve_requests(
-    task: Task, predictor: Predictor, requests: Sequence[Request], size: int, batch: int = 1
+    task: Task,
+    predictor: Predictor,
+    requests: Sequence[Request],
+    size: int,
+    batch: int = 1,
+    batch_pixels: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[Solved]:
     """``requests`` (one ``batch_key``) solved, in order: each larger than a ``size × size`` tile, of a
-    task that solves in tiles, alone by ``solve_tiled`` in batches of ``batch`` tiles; the others
-    together by ``solve_batch`` (``size`` 0: none tiled)."""
+    task that solves in tiles, alone by ``solve_tiled`` (``batch``, ``batch_pixels`` and ``progress``
+    passed on); the others together by ``solve_batch`` (``size`` 0: none tiled)."""
     cut = {k for k, r in enumerate(requests) if tiled(task, predictor, r, size)}
     whole = [r for k, r in enumerate(requests) if k not in cut]
     solved = iter(solve_batch(task, predictor, whole) if whole else [])
     return [
-        solve_tiled(task, predictor, r, size, batch=batch) if k in cut else next(solved)
+        solve_tiled(task, predictor, r, size, None, batch, progress, batch_pixels)
+        if k in cut
+        else next(solved)
         for k, r in enumerate(requests)
     ]

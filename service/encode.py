@@ -14,9 +14,16 @@ JSON = "application/json"
 COMPRESS_LEVEL = 1
 
 
-def _quantise(x: np.ndarray, peak: int, dtype: type) -> np.ndarray:
-    arr = np.rint(np.clip(x, 0.0, 1.0) * peak).astype(dtype)
-    return arr[0] if arr.shape[0] == 1 else np.ascontiguousarray(np.moveaxis(arr, 0, -1))
+def _quantise(x: np.ndarray, peak: int, dtype: type, rows: int = 256) -> np.ndarray:
+    """``rint(peak·clip(x, 0, 1))`` ``(H, W)`` or ``(H, W, c)`` of ``dtype`` for ``x`` ``(c, H, W)``,
+    ``rows`` rows at a time, so that the float temporaries are a band's (a 32-megapixel output's
+    would be ~1 GiB)."""
+    c, height, width = x.shape
+    out = np.empty((height, width, c), dtype=dtype)
+    for top in range(0, height, rows):
+        band = np.clip(x[:, top : top + rows], 0.0, 1.0) * peak
+        out[top : top + rows] = np.rint(band, out=band).transpose(1, 2, 0)
+    return out[..., 0] if c == 1 else out
 
 
 def encode_png(pixels: np.ndarray, mode: str, alpha: np.ndarray | None = None) -> bytes:

@@ -254,10 +254,13 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         ih, iw = job_input.image.shape[-2:]
         # a model that pads exactly batches sizes within a factor of two (kdeq.predictor.pad_images)
         shape = (c, ih.bit_length(), iw.bit_length()) if slot.pads_exactly else job_input.image.shape
+        # an image solved in tiles is its own batch (its tiles are batched): batched with others, each
+        # would wait for all the others' tiles
+        alone = object() if tiles and ih * iw > settings.tile_size**2 else None
         job = Job(
             endpoint=task.route,
             model=slot.id,
-            batch_key=(slot.id, shape, task.batch_key(job_input)),
+            batch_key=(slot.id, shape, task.batch_key(job_input), alone),
             payload=job_input,
             pixels=h * w,
             deadline=start + svc.settings.request_timeout_seconds,

@@ -180,11 +180,23 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> Settings:
-        too_large = [n for n in self.warmup_sizes or () if n * n > self.max_pixels]
-        if too_large:
+        # warm-ups are solved whole, by every model: no larger than a request any model solves whole
+        for limit, name in ((self.max_pixels, "MAX_PIXELS"), (self.max_untiled_pixels, "MAX_UNTILED_PIXELS")):
+            too_large = [n for n in self.warmup_sizes or () if n * n > limit]
+            if too_large:
+                raise ValueError(
+                    f"KDEQ_WARMUP_SIZES: {too_large} exceed KDEQ_{name}={limit} "
+                    "(no request is solved whole at that size)"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _tiles_fit(self) -> Settings:
+        # an image of up to tile_size² pixels is solved whole
+        if self.tile_size**2 > self.max_untiled_pixels:
             raise ValueError(
-                f"KDEQ_WARMUP_SIZES: {too_large} exceed KDEQ_MAX_PIXELS={self.max_pixels} "
-                "(no request can be that large)"
+                f"KDEQ_TILE_SIZE={self.tile_size}: a tile of {self.tile_size}² pixels exceeds "
+                f"KDEQ_MAX_UNTILED_PIXELS={self.max_untiled_pixels}, the most pixels solved whole"
             )
         return self
 

@@ -138,6 +138,13 @@ class Service:
         slot = self.registry.slots[jobs[0].model]
         refusal: ApiError | None = None
         try:
+
+            def abandon(_: int) -> None:
+                # a large image's tiles take minutes on a CPU: once no one awaits the result (past
+                # its deadline), the worker stops between tiles rather than finish it for nobody
+                if all(job.future.done() for job in jobs):
+                    raise ApiError(504, "timeout", "no result within the request timeout")
+
             # an image's tiles are batched as far as requests are (a tile is about a small image)
             solved = solve_requests(
                 TASKS[slot.task],
@@ -145,6 +152,8 @@ class Service:
                 [job.payload for job in jobs],
                 self.settings.tile_size,
                 self.engine.batch_limit,
+                self.settings.max_batch_pixels,
+                abandon,
             )
         except ValueError as err:  # the model's own input checks: a request it cannot take
             refusal = ApiError(422, "invalid_input", f"{slot.id}: {err}")

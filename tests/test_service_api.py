@@ -6,12 +6,14 @@ import base64
 import io
 import shutil
 import subprocess
+import time
 
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from kdeq import tiling
 from kdeq.repository import load_predictor
 from kdeq.tasks import TASKS
 from kdeq.tiling import solve_tiled
@@ -334,10 +336,17 @@ def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None
     clean = np.stack([smooth_image(100, 130, seed=k) for k in range(3)], axis=-1)
     image = to_uint8(noisy(clean, 20.0))
     settings = {"tile_size": 64, "max_untiled_pixels": 64 * 64, "models": ("denoise-kglm:2", "inpaint-kglm")}
-    with make_client(warmup=False, **settings) as c:
+    tiles: list[int] = []
+    real = tiling.solve_batch
+    with (
+        make_client(warmup=False, **settings) as c,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setattr(tiling, "solve_batch", lambda t, p, rs: tiles.append(len(rs)) or real(t, p, rs))
         assert c.app.state.service.wait_loaded(120)
         r = c.post("/denoise", files={"image": encode(image)}, data={"sigma": "20"})
         assert r.status_code == 200, r.text
+        assert sum(tiles) == 6  # 2 × 3 tiles, one per call on a CPU
         served = np.asarray(decode(r.content)).astype(int)
         task = TASKS["denoise"]
         pixels = (image.astype(np.float32) / 255).transpose(2, 0, 1).copy()
@@ -350,6 +359,25 @@ def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None
         assert "4096" in assert_error(r, 413, "too_many_pixels")["detail"]
         r = c.post("/inpaint", files={"image": encode(image[:64, :64]), "mask": encode(holes[:64, :64])})
         assert r.status_code == 200, r.text
+
+
+def test_a_tiled_solve_past_its_deadline_stops_between_tiles() -> None:
+    """A 512² image in 64 tiles of 64 with a 0.3 s timeout: the client gets 504, and the worker
+    abandons the image between tiles instead of solving the rest for nobody."""
+    image = to_uint8(noisy(np.stack([smooth_image(512, 512, seed=k) for k in range(3)], axis=-1), 20.0))
+    tiles: list[int] = []
+    real = tiling.solve_batch
+    settings = {"tile_size": 64, "request_timeout_seconds": 0.3, "models": ("denoise-kglm:2",)}
+    with make_client(warmup=False, **settings) as c, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiling, "solve_batch", lambda t, p, rs: tiles.append(len(rs)) or real(t, p, rs))
+        assert c.app.state.service.wait_loaded(120)
+        assert_error(c.post("/denoise", files={"image": encode(image)}, data={"sigma": "20"}), 504, "timeout")
+        # a small request waits behind the worker: once it is answered, the large one has stopped
+        small = encode(image[:32, :32])
+        deadline = time.monotonic() + 60
+        while c.post("/denoise", files={"image": small}).status_code != 200:
+            assert time.monotonic() < deadline
+        assert 0 < sum(tiles) < 64
 
 
 def test_body_limit_from_content_length() -> None:

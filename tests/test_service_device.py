@@ -174,10 +174,12 @@ def test_warm_up_sizes_are_validated_strictly() -> None:
         ("32,32", "listed twice"),
         ("32x32", "valid integer"),
         ("4", "greater than or equal to 8"),
-        ("2049", "exceed KDEQ_MAX_PIXELS"),
+        ("2049", "exceed KDEQ_MAX_UNTILED_PIXELS"),  # warm-ups are solved whole, by every model
     ]:
         with pytest.raises(SettingsError, match=f"KDEQ_WARMUP_SIZES.*{message}"):
             Settings.from_env({"KDEQ_WARMUP_SIZES": value})
+    with pytest.raises(SettingsError, match=r"KDEQ_WARMUP_SIZES.*exceed KDEQ_MAX_PIXELS"):
+        Settings.from_env({"KDEQ_WARMUP_SIZES": "1024", "KDEQ_MAX_PIXELS": "1000000"})
 
 
 def test_the_guided_weight_budget_follows_the_free_device_memory(monkeypatch) -> None:

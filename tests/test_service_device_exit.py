@@ -50,15 +50,15 @@ def _serve_with_a_failing_device() -> int:
     import service.state
     from service.cli import main
 
-    real = service.state.solve_batch
+    real = service.state.solve_requests
 
-    def solve_batch(task, predictor, inputs):
+    def solve_requests(task, predictor, inputs, *args):
         if inputs[0].image.shape[-1] == TRIGGER:
             time.sleep(1.5)
             raise RuntimeError("CUDA error: device-side assert triggered\nCompile with TORCH_USE_CUDA_DSA")
-        return real(task, predictor, inputs)
+        return real(task, predictor, inputs, *args)
 
-    service.state.solve_batch = solve_batch
+    service.state.solve_requests = solve_requests
     return main([])
 
 

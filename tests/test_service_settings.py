@@ -49,6 +49,9 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
         ({"KDEQ_CONV_BACKEND": "winograd"}, "KDEQ_CONV_BACKEND"),
         ({"KDEQ_REQUEST_TIMEOUT_SECONDS": "-1"}, "KDEQ_REQUEST_TIMEOUT_SECONDS"),
         ({"KDEQ_API_KEY": ""}, "KDEQ_API_KEY"),  # an empty key must not silently turn auth off
+        ({"KDEQ_TILE_SIZE": "63"}, "KDEQ_TILE_SIZE"),
+        ({"KDEQ_TILE_SIZE": "101"}, "KDEQ_TILE_SIZE"),
+        ({"KDEQ_TILE_SIZE": "4096"}, "KDEQ_TILE_SIZE.*KDEQ_MAX_UNTILED_PIXELS"),
     ],
 )
 def test_invalid_settings_name_the_variable(env: dict, named: str) -> None:

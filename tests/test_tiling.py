@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from kdeq import tiling
 from kdeq.cli import main
 from kdeq.cli import test_image as piecewise_image
 from kdeq.denoise import Denoiser
@@ -12,7 +13,7 @@ from kdeq.families import Gaussian
 from kdeq.imageio import read_image, write_png
 from kdeq.predictor import SolverOverride
 from kdeq.repository import default_models_dir, find_model, load_predictor
-from kdeq.tasks import TASKS, Request, solve_batch
+from kdeq.tasks import TASKS, Request, Solved, solve_batch
 from kdeq.tiling import ALIGN, solve_tiled, spans, tiled, tiles
 
 DENOISE = TASKS["denoise"]
@@ -140,13 +141,58 @@ def test_the_default_denoiser_tiled_matches_the_untiled_solve(default, colour, s
     assert cut.converged and cut.finite and cut.lam == pytest.approx(whole.lam, rel=1e-6)
 
 
-def test_the_stationary_denoiser_tiled_matches_the_untiled_solve() -> None:
+@pytest.mark.parametrize("sigma", [5.0, 20.0, 50.0])
+def test_the_stationary_denoiser_tiled_at_its_default_halo_matches_the_untiled_solve(sigma) -> None:
+    """Its resolvent carries a pixel's influence past its reach (5): at the default halo
+    (``solve_reach``) the tiles still match the whole image to 10⁻³; with the reach alone they do not."""
     model = shipped("denoise-stationary-kglm")
-    image = noisy(120, 130, colour=False, seed=2)
-    whole = solve(model, image, 20.0, tol=1e-6)
-    cut = solve(model, image, 20.0, tol=1e-6, size=48, halo=model.reach + 16)
-    # its global mean is the whole image's; its resolvent reaches further than the guided one's
-    assert np.abs(cut.output - whole.output).max() < 5e-3
+    image = noisy(120, 130, colour=False, sigma=sigma, seed=2)
+    whole = solve(model, image, sigma, tol=1e-6)
+    cut = solve(model, image, sigma, tol=1e-6, size=48)
+    near = solve(model, image, sigma, tol=1e-6, size=48, halo=model.reach)
+    assert np.abs(cut.output - whole.output).max() < 1e-3
+    assert np.abs(near.output - whole.output).max() > 2e-3
+
+
+def test_a_nan_residual_is_not_hidden_by_the_other_tiles(default, monkeypatch) -> None:
+    import kdeq.tiling as tiling
+
+    calls = iter(range(100))
+
+    def solve_batch(task, predictor, requests):
+        out = []
+        for r in requests:
+            k = next(calls)
+            out.append(
+                Solved(np.zeros_like(r.image), 1, float("nan") if k == 1 else 0.5, k != 1, 1.0, {}, True)
+            )
+        return out
+
+    monkeypatch.setattr(tiling, "solve_batch", solve_batch)
+    request = DENOISE.prepare(noisy(64, 64, colour=False), None, DENOISE.options(sigma=25), {})
+    result = solve_tiled(DENOISE, default, request, 32)
+    assert np.isnan(result.residual) and not result.converged
+
+
+def test_an_estimated_level_above_255_is_given_to_the_tiles_as_255(default) -> None:
+    # a one-pixel checkerboard: every Haar diagonal coefficient is ±1, so σ̂ = 1/0.6745 → 378
+    board = (np.indices((64, 64)).sum(axis=0) % 2).astype(np.float32)[None]
+    request = DENOISE.prepare(board, None, DENOISE.options(), {})
+    assert DENOISE.whole_image(default, request).options.sigma == 255.0
+    result = solve_tiled(DENOISE, default, request, 32)
+    assert result.fields["sigma"] == pytest.approx(255.0) and np.isfinite(result.output).all()
+
+
+def test_tiles_per_call_keep_within_the_pixel_budget(default, monkeypatch) -> None:
+    import kdeq.tiling as tiling
+
+    sizes: list[int] = []
+    real = tiling.solve_batch
+    monkeypatch.setattr(tiling, "solve_batch", lambda t, p, rs: sizes.append(len(rs)) or real(t, p, rs))
+    request = DENOISE.prepare(noisy(64, 64, colour=False), None, DENOISE.options(sigma=25), {})
+    solve_tiled(DENOISE, default, request, 16, halo=4, batch=8, batch_pixels=2 * 24 * 24)
+    # interior windows are 24×24: two per call; the border ones (20×24, 24×20, 20×20) two as well
+    assert sum(sizes) == 16 and max(sizes) == 2
 
 
 def test_batched_tiles_equal_single_tiles_and_progress_counts_them(default) -> None:
@@ -167,16 +213,26 @@ def test_tasks_without_a_tiled_solve_refuse_it() -> None:
         solve_tiled(task, shipped("inpaint-kglm"), request, 32)
 
 
-def test_the_cli_tiles_a_large_image_and_writes_what_the_untiled_solve_writes(tmp_path, capsys) -> None:
+def test_the_cli_tiles_a_large_image_and_writes_what_the_untiled_solve_writes(
+    tmp_path, capsys, monkeypatch
+) -> None:
     source = tmp_path / "big.png"
     write_png(source, torch.from_numpy(noisy(96, 140, colour=True, seed=4)).clamp(0, 1))
     common = ["--sigma", "25", "--tol", "1e-6"]
+    counted: list[int] = []
+    real = tiling.solve_tiled
+    monkeypatch.setattr(tiling, "solve_tiled", lambda *a, **k: counted.append(1) or real(*a, **k))
     assert main(["denoise", str(source), "-o", str(tmp_path / "tiled.png"), "--tile", "48", *common]) == 0
+    assert counted == [1]
     assert main(["denoise", str(source), "-o", str(tmp_path / "whole.png"), "--tile", "0", *common]) == 0
+    assert counted == [1]
     tiled, whole = (read_image(tmp_path / f"{n}.png")[0] for n in ("tiled", "whole"))
     assert (tiled - whole).abs().max() <= 1 / 255 + 1e-6  # at most one grey level
-    assert main(["denoise", str(source), "-o", str(tmp_path / "x.png"), "--tile", "-1"]) == 2
-    assert "--tile" in capsys.readouterr().err
+    for bad in ("-1", "7", "33", "x"):
+        with pytest.raises(SystemExit):
+            main(["denoise", str(source), "-o", str(tmp_path / "x.png"), "--tile", bad])
+        assert "--tile" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
 
 
 def test_the_tile_s_request_carries_the_whole_image_s_statistics(default) -> None:

@@ -41,16 +41,18 @@ class Denoise(Task):
         return (request.options.sigma is None, request.solver)
 
     def tile_halo(self, predictor: Denoiser) -> int:
-        """The model's ``reach`` (``kdeq.denoise``)."""
-        return predictor.reach
+        """The model's ``solve_reach`` (``kdeq.denoise``)."""
+        return predictor.solve_reach
 
     def whole_image(self, predictor: Denoiser, request: Request) -> Request:
         """``σ`` estimated on the whole image where not given, and the image's channel means
-        (``level``, which the guide network centres on) fixed."""
+        (``level``, which the guide network centres on) fixed. An estimate above 255 (no photograph's:
+        a fine checkerboard's) is given to the tiles as 255, the largest level a request may give."""
         image = torch.from_numpy(request.image)[None]
         options = request.options
         if options.sigma is None:
-            options = options.model_copy(update={"sigma": float(predictor.noise_level(image, None)) * 255.0})
+            estimate = float(predictor.noise_level(image, None)) * 255.0
+            options = options.model_copy(update={"sigma": min(estimate, 255.0)})
         # numpy accumulates in float64 without a float64 copy of the image (torch's mean makes one)
         level = request.image.mean(axis=(1, 2), dtype=np.float64).astype(np.float32)
         return Request(request.image, options, {**request.inputs, "level": level}, request.solver)
