@@ -144,11 +144,30 @@ def _unshuffle(v: torch.Tensor) -> torch.Tensor:
     return F.pixel_unshuffle(F.pad(v, (0, pw, 0, ph), mode="replicate") if ph or pw else v, 2)
 
 
+#: on a CPU, the most activation bytes (``N·channels·H'·W'·4``) one call of ``N_θ`` runs on: beyond
+#: it oneDNN spreads a batch's samples over the threads, each a whole image at a time, and a sample
+#: costs up to 1.5× what it costs alone (three 256² half-resolution samples, a 512² colour image's
+#: opponent channels: 327 against 220 ms each on this project's 2-core CPU; docs/BENCHMARKS.md)
+CPU_CALL_BYTES = 16 << 20
+
+
 def _network(
     h: torch.Tensor, tensors: dict[str, torch.Tensor], net: GuideNet, size: tuple[int, int]
 ) -> torch.Tensor:
     """``N_θ`` on its unshuffled input ``h`` ``(N, 5 or 8, H', W')``, shuffled back and cropped to
-    ``size``: ``(N, 1, H, W)``."""
+    ``size``: ``(N, 1, H, W)``; on a CPU in calls of as many samples as ``CPU_CALL_BYTES`` allows
+    (at least one: the samples are independent)."""
+    per_sample = net.channels * h.shape[-2] * h.shape[-1] * h.element_size()
+    step = max(1, CPU_CALL_BYTES // per_sample)
+    if h.device.type == "cpu" and h.shape[0] > step:
+        return torch.cat([_layers(h[i : i + step], tensors, net, size) for i in range(0, h.shape[0], step)])
+    return _layers(h, tensors, net, size)
+
+
+def _layers(
+    h: torch.Tensor, tensors: dict[str, torch.Tensor], net: GuideNet, size: tuple[int, int]
+) -> torch.Tensor:
+    """``_network``'s one call."""
     # channels-last from the first layer to the last: oneDNN then runs the 3×3 convolutions on 64
     # features without reordering their input and output at every layer (the default denoiser's
     # solve 1.05–1.33× faster on this project's CPU; docs/BENCHMARKS.md)
@@ -158,7 +177,7 @@ def _network(
         weight = tensors[f"net_{i}_weight"].contiguous(memory_format=last)
         h = F.conv2d(h, weight, tensors[f"net_{i}_bias"], padding=1)
         if i < net.depth - 1:
-            h = F.relu(h)
+            h = F.relu_(h)
     return F.pixel_shuffle(h.contiguous(), 2)[..., : size[0], : size[1]]
 
 

@@ -658,3 +658,30 @@ def test_training_a_grown_restorer_runs_its_pilot_phase_then_the_whole_model(
     assert {"val_psnr@0", "val_psnr@1"} <= set(epochs[3]) or {"val_psnr@2", "val_psnr@4"} <= set(epochs[3])
     saved = load_checkpoint(out)
     assert saved.tensors[f"net_{net.depth - 1}_weight"].abs().sum() > 0
+
+
+def test_a_batch_cut_into_calls_within_the_cpu_budget_gives_the_one_call_s_pilot(monkeypatch) -> None:
+    """``N_θ`` runs a CPU batch in calls of at most ``CPU_CALL_BYTES`` of activations (its samples
+    are independent): a colour pilot, three opponent channels, cut into calls of one sample equals the
+    one call's, and so does its gradient."""
+    import kdeq.guidenet as guidenet
+
+    net = GuideNet(depth=4, channels=8)
+    tensors = {k: v.requires_grad_() for k, v in net.random_start(seed=3).items()}
+    y = torch.rand(2, 3, 20, 22)
+    base, sigma = y.flip(-1), torch.tensor([0.1, 0.2])
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        p = pilot(y, base, sigma, tensors, net)
+        (grad,) = torch.autograd.grad(p.square().sum(), tensors["net_1_weight"])
+        return p.detach(), grad
+
+    whole = run()
+    calls: list[int] = []
+    layers = guidenet._layers
+    monkeypatch.setattr(guidenet, "_layers", lambda h, *a: calls.append(h.shape[0]) or layers(h, *a))
+    monkeypatch.setattr(guidenet, "CPU_CALL_BYTES", 8 * 10 * 11 * 4)  # one sample's activations
+    cut = run()
+    assert calls == [1] * 6
+    torch.testing.assert_close(cut[0], whole[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cut[1], whole[1], rtol=1e-4, atol=1e-5)
