@@ -4,13 +4,17 @@
 
 - ``models``: for each served model (the newest version of each name in ``models/``), images/s at
   batch 1, 8, 32 and 64 for 256² and 512² grey images (σ = 25 noise, seeded; half the pixels missing
-  for the inpainter), p50 milliseconds at batch 1, and peak GPU memory per megapixel above what the
-  loaded model holds.
+  for the inpainter, a Gaussian PSF of width 1.6 for the deblurrer, scale 2 for the super-resolver),
+  p50 milliseconds at batch 1, and peak GPU memory per megapixel above what the loaded model holds.
 - ``cpu``: the default denoiser on this machine's CPU with torch on 2 threads, batch 1 and 8 at 256²,
   and the GPU ÷ CPU throughput ratios (targets: ≥ 20× at batch 1, ≥ 100× batched).
 - ``service``: a real ``python -m service`` on ``cuda:0`` serving the default denoiser, 32 clients
   posting 256² PNGs for ``--seconds``, with batching off (``KDEQ_MAX_BATCH_SIZE=1``) and on
   (``KDEQ_MAX_BATCH_SIZE=32``), and the ratio (target ≥ 5×).
+- ``backends``: the zero-border convolution backends of ``kdeq.backends`` on the GPU, each ÷ ``padded``
+  (what the GPU uses), with cuDNN's heuristics and with ``cudnn.benchmark``.
+- ``gathers``: the guided kernel's weights and ``K x`` an offset at a time against by gathers
+  (``kdeq.adaptive.GATHER_PIXELS`` chooses between them), same run, for the default denoiser.
 
 Times are medians of ``--repeat`` runs after a warm-up, each ended by ``torch.cuda.synchronize``.
 Writes the Markdown tables to stdout and to ``--out``. Exits 2 without a CUDA device.
@@ -38,8 +42,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from load import drive, free_port, images, multipart, start_server  # noqa: E402
 
+from kdeq import backends  # noqa: E402
 from kdeq.cli import test_image  # noqa: E402
+from kdeq.precision import ieee_float32  # noqa: E402
 from kdeq.repository import default_models_dir, load_predictor  # noqa: E402
+from tests.helpers import predict_arguments  # noqa: E402
 
 SIGMA = 25.0
 BATCHES = (1, 8, 32, 64)
@@ -58,15 +65,13 @@ def served() -> list[Path]:
 
 
 def inputs(task: str, batch: int, size: int, seed: int, device: str) -> tuple[tuple, dict]:
-    """``predict``'s arguments: ``batch`` noisy grey test images ``(batch, 1, size, size)``."""
+    """``predict``'s arguments on ``device``: ``batch`` noisy grey test images ``(batch, 1, size, size)``
+    and what ``task`` takes beside them (``tests.helpers.predict_arguments``: a mask, a PSF, a scale)."""
     gen = torch.Generator().manual_seed(seed)
     clean = test_image(size).expand(batch, 1, size, size)
-    images = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1).to(device)
-    if task == "inpaint":
-        return (images, (torch.rand(batch, 1, size, size, generator=gen) < 0.5).float().to(device)), {}
-    if task == "segment":
-        return (images,), {}
-    return (images,), {"sigma": SIGMA}
+    images = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1)
+    args, kwargs = predict_arguments(task, images, SIGMA, gen)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args), kwargs
 
 
 def timed(run: Callable[[], object], repeat: int, cuda: bool) -> float:
@@ -171,6 +176,81 @@ def section_service(args: argparse.Namespace, out: list[str], rates: dict) -> No
     ]
 
 
+def section_backends(args: argparse.Namespace, out: list[str], rates: dict) -> None:
+    """Each zero-border convolution backend (``kdeq.backends``) on ``cuda:0``, against ``padded`` —
+    what ``conv_zeros`` uses off the CPU — with cuDNN's heuristics (torch's default) and with
+    ``cudnn.benchmark``."""
+    out += [
+        "\n## Zero-border convolution backends on cuda:0: ms per call, and ÷ `padded` (cuDNN heuristics)\n",
+        "| filter bank | input | padded | padded, cudnn.benchmark | prepadded | fft |",
+        "|---|---|---|---|---|---|",
+    ]
+    banks = [(1, 1, 11, 11), (1, 1, 17, 17), (3, 3, 11, 11), (1, 1, 3, 3)]
+    gen = torch.Generator().manual_seed(args.seed)
+    for shape in banks:
+        for batch, size in ((1, 256), (1, 1024), (32, 256), (32, 512)):
+            x = torch.rand(batch, shape[1], size, size, generator=gen).cuda()
+            bank = torch.rand(shape, generator=gen).cuda()
+            repeat = max(args.repeat, 10)
+            times = {}
+            with torch.no_grad(), ieee_float32():  # the arithmetic every prediction runs in
+                for name, fn in backends.BACKENDS.items():
+                    times[name] = timed(functools.partial(fn, x, bank), repeat, True)
+                torch.backends.cudnn.benchmark = True
+                try:
+                    tuned = timed(functools.partial(backends.BACKENDS["padded"], x, bank), repeat, True)
+                finally:
+                    torch.backends.cudnn.benchmark = False
+            base = times["padded"]
+            cells = [f"{base * 1e3:.3f}"] + [
+                f"{t * 1e3:.3f} ({t / base:.2f})" for t in (tuned, times["prepadded"], times["fft"])
+            ]
+            out.append(f"| {shape} | {tuple(x.shape)} | " + " | ".join(cells) + " |")
+            print(out[-1], flush=True)
+
+
+def section_gathers(args: argparse.Namespace, out: list[str], rates: dict) -> None:
+    """The guided kernel's two paths (``kdeq.adaptive``) on the default denoiser, same run: an offset
+    at a time against groups by gathers, whatever ``GATHER_PIXELS`` would choose, each timed twice
+    alternately (the better median counts), with kernel launches per solve."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kdeq import adaptive
+
+    folder = next(f for f in served() if f.parent.name == DEFAULT)
+    model = load_predictor(folder, "cuda:0")
+    out += [
+        f"\n## The guided kernel on cuda:0 ({folder.parent.name}:{folder.name}): an offset at a time ÷ "
+        f"by gathers (taken up to {adaptive.GATHER_PIXELS} pixels)\n",
+        "| image | batch | loop ms | gathered ms | loop ÷ gathered | launches, loop → gathered | max diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    chooser = adaptive._gathers
+    try:
+        for size, batch in ((256, 1), (256, 8), (256, 32), (512, 1), (1024, 1), (2048, 1)):
+            a, kw = inputs(model.task, batch, size, args.seed, "cuda:0")
+            seconds: dict[bool, list[float]] = {False: [], True: []}
+            launches, outputs = {}, {}
+            for gathered in (False, True, False, True):
+                adaptive._gathers = lambda x, g=gathered: g
+                seconds[gathered].append(timed(functools.partial(model.predict, *a, **kw), args.repeat, True))
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    outputs[gathered] = model.predict(*a, **kw).output
+                    torch.cuda.synchronize()
+                launches[gathered] = sum(e.count for e in prof.key_averages() if "LaunchKernel" in e.key)
+            loop, gathers = min(seconds[False]), min(seconds[True])
+            diff = (outputs[False] - outputs[True]).abs().max().item()
+            out.append(
+                f"| {size}² | {batch} | {loop * 1e3:.1f} | {gathers * 1e3:.1f} | {loop / gathers:.2f} | "
+                f"{launches[False]} → {launches[True]} | {diff:.1e} |"
+            )
+            print(out[-1], flush=True)
+    finally:
+        adaptive._gathers = chooser
+    del model
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -195,7 +275,7 @@ def main() -> None:
     }
     out = ["# bench/gpu.py", "", "```json", json.dumps(header, indent=1), "```"]
     rates: dict = {}
-    for section in (section_models, section_cpu, section_service):
+    for section in (section_models, section_cpu, section_service, section_backends, section_gathers):
         section(args, out, rates)
     text = "\n".join(out) + "\n"
     print(text)

@@ -16,6 +16,7 @@ import torch
 from kdeq import SOLVERS, Kernel, SolverConfig, solve
 from kdeq.conv import conv
 from kdeq.precision import ieee_float32
+from kdeq.predictor import SolverOverride
 from kdeq.repository import load_predictor
 from kdeq.transforms import dct2, idct2
 from tests.helpers import predict_arguments
@@ -29,6 +30,11 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.parent for p in (ROOT / "models").glob("*/*/config.json"))
 SIGMA = 25.0
+TIGHT = SolverOverride(tol=1e-6, max_iter=3000)
+# float32 rounding (6e-8) times the condition number of the worst-conditioned shipped system:
+# inpaint-kglm:2 (λ = 0.01, ‖K‖/λ ~ 10³) differs by 1.2e-4 at 2 of 5883 pixels on an H100 even solved
+# to TIGHT, every other model by under 1e-4; a wrong kernel, border or index differs by 1e-2 or more
+PARITY = 2.5e-4
 
 
 def _id(folder: Path) -> str:
@@ -51,18 +57,23 @@ def _channels(model) -> list[int]:
 
 
 def _parity(cpu, gpu, args: tuple, kwargs: dict, **extra) -> None:
+    """At the model's own tolerance both devices converge, in iteration counts within 1; solved to
+    ``TIGHT`` they agree within ``PARITY``. Solved to the model's tolerance, the outputs would also
+    differ by where each device's solver stopped."""
     on_gpu = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
     a = cpu.predict(*args, **kwargs, **extra)
     b = gpu.predict(*on_gpu, **kwargs, **extra)
     assert a.stats.converged.all() and b.stats.converged.cpu().all()
     assert (a.stats.iterations - b.stats.iterations.cpu()).abs().max() <= 1
-    torch.testing.assert_close(b.output.cpu(), a.output, rtol=0, atol=1e-4)
+    a = cpu.predict(*args, **kwargs, **extra, solver=TIGHT)
+    b = gpu.predict(*on_gpu, **kwargs, **extra, solver=TIGHT)
+    torch.testing.assert_close(b.output.cpu(), a.output, rtol=0, atol=PARITY)
 
 
 @pytest.mark.parametrize("folder", SHIPPED, ids=_id)
 def test_every_shipped_model_agrees_with_the_cpu(folder: Path) -> None:
-    """Grey and colour, an odd size, and a padded batch of mixed sizes: both devices converge, the
-    outputs agree within 1e-4 and the iteration counts within 1."""
+    """Grey and colour, an odd size, and a padded batch of mixed sizes: both devices converge, in
+    iteration counts within 1, and, solved to a tolerance of 1e-6, agree within ``PARITY``."""
     cpu, gpu = load_predictor(folder, "cpu"), load_predictor(folder, "cuda:0")
     for channels in _channels(cpu):
         for shape, count in (((64, 64), 2), ((37, 53), 1)):
@@ -160,26 +171,39 @@ def test_the_service_on_cuda_answers_every_route_and_exports_gpu_memory(tmp_path
 
 def test_out_of_memory_is_a_503_and_the_next_request_succeeds_with_memory_back(tmp_path: Path) -> None:
     """A real out-of-memory: another process (this one) holds nearly all the GPU while a 4-megapixel
-    guided denoise arrives; 503 with Retry-After, then, with the memory given back, 200 — and the
-    server's allocated bytes return to what they were before the failed batch."""
+    guided denoise arrives; 503 with Retry-After, then, with the memory given back, 200. Twice: the
+    second failure leaves the server's allocated bytes where the first left them (nothing of a failed
+    batch is kept), and the first leaves them within 64 MiB of before — room for what a library keeps
+    from its first call at that size (on an H100, 32 MiB stayed: a cuBLAS workspace or a cuFFT plan),
+    where keeping the failed batch's tensors would be ~2 GiB."""
     big = encode(to_uint8(noisy(smooth_image(2000, 2000), SIGMA)))
     small = encode(to_uint8(noisy(smooth_image(96, 96), SIGMA)))
     with run_server(tmp_path, device="cuda:0", models="denoise-kglm:2", max_pixels=4_200_000) as server:
+
+        def allocated() -> float:
+            return metric(httpx.get(server.url + "/metrics").text, "kdeq_cuda_memory_allocated_bytes")
+
+        def fail_then_succeed() -> float:
+            free, _ = torch.cuda.mem_get_info(0)
+            hog = torch.empty(max(0, free - (96 << 20)), dtype=torch.uint8, device="cuda:0")
+            try:
+                r = _post(server.url, "/denoise", {"image": big})
+            finally:
+                del hog
+                torch.cuda.empty_cache()
+            assert r.status_code == 503 and r.json()["error"] == "out_of_memory", r.text
+            assert "Retry-After" in r.headers
+            assert _post(server.url, "/denoise", {"image": small}).status_code == 200
+            return allocated()
+
         assert _post(server.url, "/denoise", {"image": small}).status_code == 200
-        baseline = metric(httpx.get(server.url + "/metrics").text, "kdeq_cuda_memory_allocated_bytes")
-        free, _ = torch.cuda.mem_get_info(0)
-        hog = torch.empty(max(0, free - (96 << 20)), dtype=torch.uint8, device="cuda:0")
-        try:
-            r = _post(server.url, "/denoise", {"image": big})
-        finally:
-            del hog
-            torch.cuda.empty_cache()
-        assert r.status_code == 503 and r.json()["error"] == "out_of_memory", r.text
-        assert "Retry-After" in r.headers
-        assert _post(server.url, "/denoise", {"image": small}).status_code == 200
+        before = allocated()
+        first = fail_then_succeed()
+        second = fail_then_succeed()
+        assert first <= before + (64 << 20), (before, first)
+        assert second <= first + (2 << 20), (first, second)
         text = httpx.get(server.url + "/metrics").text
-        assert metric(text, "kdeq_rejected_requests_total", reason="out_of_memory") >= 1
-        assert metric(text, "kdeq_cuda_memory_allocated_bytes") <= baseline + (8 << 20)
+        assert metric(text, "kdeq_rejected_requests_total", reason="out_of_memory") >= 2
         assert httpx.get(server.url + "/readyz").status_code == 200
 
 

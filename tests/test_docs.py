@@ -79,6 +79,9 @@ def test_shell_examples_run(tmp_path) -> None:
                     "mkdir -p t400/",
                     "ls ../shared/data/Train400 ",
                     'C="--train t400/',
+                    # a GPU machine's image, with the service's packages carried as wheels
+                    "python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/",
+                    "PYTHONPATH=/tmp/site PYTHON=python3 bench/gpu.sh",
                 )
                 assert all(ln.startswith(allowed) for ln in commands), (page, commands)
                 continue

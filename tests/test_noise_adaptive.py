@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+from kdeq import adaptive
 from kdeq.adaptive import (
     GuidedKernel,
     GuidedOperator,
+    apply_weights,
     guided_gram,
     guided_weights,
     half_offsets,
@@ -15,6 +17,14 @@ from kdeq.kernels import Kernel
 from kdeq.noise import estimate_sigma
 
 F64 = torch.float64
+
+
+@pytest.fixture(params=["loop", "gathered"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test below on the CPU's path (an offset at a time, in place) and on the GPU's (groups of
+    offsets by gathers), which the CPU runs as well when told to."""
+    monkeypatch.setattr(adaptive, "_gathers", lambda x: request.param == "gathered")
+    return request.param
 
 
 @pytest.mark.parametrize("sigma", [5.0, 15.0, 50.0])
@@ -41,7 +51,7 @@ def test_half_offsets_cover_every_offset_once_with_its_mirror() -> None:
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("patch", [0, 1, 2])
 def test_guided_operator_equals_dense_gram_from_explicit_features(
-    normalize: bool, patch: int, budget: int, channels: int
+    normalize: bool, patch: int, budget: int, channels: int, path: str
 ) -> None:
     spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
     guide = torch.rand(2, channels, 9, 11, dtype=F64)
@@ -59,15 +69,22 @@ def test_guided_operator_equals_dense_gram_from_explicit_features(
 
 
 @pytest.mark.parametrize("channels", [1, 3])
-def test_guided_weights_with_autograd_equal_the_in_place_path_and_carry_gradients(channels: int) -> None:
-    """Training differentiates through the weights (out of place); serving makes them in place."""
+def test_guided_weights_with_autograd_equal_the_in_place_path_and_carry_gradients(
+    channels: int, path: str
+) -> None:
+    """Training differentiates through the weights (out of place); serving makes them in place, in
+    inference mode, and what it keeps for the next call (the gathers' indices) serves training too."""
     spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
     guide = torch.rand(2, channels, 10, 12, dtype=F64)
     h2 = torch.tensor([0.05, 0.4], dtype=F64)
-    with torch.no_grad():
+    adaptive._indices.cache_clear()
+    with torch.inference_mode():
         served = guided_weights(guide, spatial, 2, h2)
     trainable = spatial.clone().requires_grad_(True)
     trained = guided_weights(guide, trainable, 2, h2)
+    learned_guide = guide.clone().requires_grad_(True)  # a guide network's output
+    (guide_grad,) = torch.autograd.grad(guided_weights(learned_guide, spatial, 2, h2).sum(), learned_guide)
+    assert bool(guide_grad.isfinite().all()) and bool(guide_grad.abs().sum() > 0)
     torch.testing.assert_close(trained.detach(), served, rtol=0, atol=0)
     (grad,) = torch.autograd.grad(trained.sum(), trainable)
     # each tap k_s(o) multiplies w_o and its mirror's map is the same one: d(Σw)/dk_s(o) = Σ_x exp(·)
@@ -78,7 +95,7 @@ def test_guided_weights_with_autograd_equal_the_in_place_path_and_carry_gradient
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
-def test_weights_of_offsets_wider_than_the_image_are_zero() -> None:
+def test_weights_of_offsets_wider_than_the_image_are_zero(path: str) -> None:
     """``w_o(x) = 0`` wherever ``x + o`` leaves the image, also for offsets past its whole width."""
     spatial = Kernel(lengthscale=3.0, radius=7).filter(F64)
     weights = guided_weights(torch.rand(1, 1, 4, 5, dtype=F64), spatial, 1, torch.tensor([0.5], dtype=F64))
@@ -87,6 +104,30 @@ def test_weights_of_offsets_wider_than_the_image_are_zero() -> None:
         outside = (rows + a >= 4) | (cols + b < 0) | (cols + b >= 5)
         assert not bool(weights[0, k][outside].any()), (a, b)
         assert bool((weights[0, k][~outside] > 0).all()), (a, b)
+
+
+@pytest.mark.parametrize("group_bytes", [1, 1 << 30], ids=["an-offset-a-group", "one-group"])
+def test_the_gathered_path_equals_the_loop_on_padded_batches_and_parts_of_the_offsets(
+    group_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's path against the CPU's, both run here: a padded batch of two sizes, three channels,
+    the offsets whole and in parts that do not start at the centre, groups of one offset and of all."""
+    monkeypatch.setattr(adaptive, "GATHER_BYTES", group_bytes)
+    spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
+    guide = torch.rand(2, 3, 10, 13, dtype=F64)
+    x = torch.randn(2, 3, 10, 13, dtype=F64)
+    h2 = torch.tensor([0.1, 0.7], dtype=F64)
+    sizes = [(10, 13), (7, 9)]
+    half = half_offsets(3)
+    for offsets in (None, half[5:17], [half[3], (0, 0), half[1]]):
+        results = {}
+        for gathered in (False, True):
+            monkeypatch.setattr(adaptive, "_gathers", lambda x, g=gathered: g)
+            with torch.no_grad():
+                weights = guided_weights(guide, spatial, 1, h2, offsets, sizes)
+                results[gathered] = (weights, apply_weights(weights, x, offsets))
+        torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-13, atol=1e-15)
+        torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-12, atol=1e-13)
 
 
 def test_normalized_kernel_has_spectral_radius_one() -> None:
