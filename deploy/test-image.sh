@@ -44,7 +44,7 @@ fi
 step "filling wheelhouse/ on the host (torch from its local CPU wheel)"
 python3 -m venv "$work/venv" >/dev/null
 "$work/venv/bin/pip" download -q -d wheelhouse -c constraints.txt torch==2.13.0 \
-  numpy pillow pydantic safetensors fastapi uvicorn python-multipart prometheus-client \
+  numpy pillow pydantic safetensors fastapi fastapi-offline uvicorn python-multipart prometheus-client \
   "setuptools>=68" wheel
 ls wheelhouse/*.whl | wc -l | xargs echo "wheels:"
 

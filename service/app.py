@@ -14,15 +14,17 @@ from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
 from service import __version__
+from service.apidocs import install_api_docs
 from service.errors import install_error_handlers
-from service.middleware import Admission, ApiKey, BodyLimit, RequestMetrics
+from service.middleware import AccessLog, Admission, ApiKey, BodyLimit, RequestId, RequestMetrics
 from service.routes import STATIC, router
 from service.settings import Settings
 from service.state import Service
 
 DESCRIPTION = """Kernel-GLM deep equilibrium models for images. Every inference request runs a
 fixed-point solve whose iterations, relative residual and convergence are returned in the
-`X-KDEQ-*` headers and exported at `/metrics`. Errors are JSON `{"error", "detail"}`."""
+`X-KDEQ-*` headers and exported at `/metrics`. Errors are JSON `{"error", "detail", "request_id"}`;
+every response carries its request's ID in `X-Request-ID` (the client's own, when it sends a valid one)."""
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -35,9 +37,17 @@ def create_app(settings: Settings) -> FastAPI:
         yield
         await asyncio.to_thread(service.stop)
 
-    app = FastAPI(title="kdeq", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(
+        title="kdeq",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url=None,  # served by install_api_docs, from local files
+        redoc_url=None,
+    )
     app.state.service = service
     install_error_handlers(app)
+    install_api_docs(app)
     app.include_router(router)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     # added innermost first: metrics see every response, including the key and size refusals
@@ -46,4 +56,6 @@ def create_app(settings: Settings) -> FastAPI:
     key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     app.add_middleware(ApiKey, key=key)
     app.add_middleware(RequestMetrics, metrics=service.metrics)
+    app.add_middleware(AccessLog)
+    app.add_middleware(RequestId)  # outermost: every response and log line of the request has its ID
     return app

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.errors import ApiError, DeviceFailedError
+from service.logs import REQUEST_ID
 from service.metrics import Metrics
 
 log = logging.getLogger("kdeq.service")
@@ -73,9 +74,17 @@ class Job:
     enqueued_at: float = field(init=False, default=0.0)
     started_at: float = field(init=False, default=0.0)
     batch_size: int = field(init=False, default=0)
+    # the request's ID (``logs.REQUEST_ID`` where the job is made): the worker's lines about a batch
+    # name the requests in it
+    request_id: str | None = field(default_factory=REQUEST_ID.get)
 
     def __post_init__(self) -> None:
         self.future = self.loop.create_future()
+
+
+def _ids(batch: Sequence[Job]) -> str:
+    """The batch's request IDs for a log line: ``requests a1, b2``."""
+    return "requests " + ", ".join(str(job.request_id) for job in batch)
 
 
 # runs a batch of compatible jobs on a device; returns one result per job, in order
@@ -278,7 +287,7 @@ class Engine:
             try:
                 outcomes = self._solve(device, batch)
             except Exception as err:  # a fault here must fail this batch, not end the worker
-                log.exception("worker %s failed on a batch of %d", device, len(batch))
+                log.exception("worker %s failed on a batch of %d (%s)", device, len(batch), _ids(batch))
                 outcomes = [err] * len(batch)
             for job, outcome in zip(batch, outcomes, strict=True):
                 _send(job, outcome)
@@ -324,12 +333,14 @@ class Engine:
             return [err] * len(batch)
         except Exception as err:
             if isinstance(err, ApiError) and err.status_code == 503:  # the device could not take it
-                self._back_off(len(batch), err)
+                self._back_off(batch, err)
                 return [err] * len(batch)
             if len(batch) == 1:
                 return [err]
             # the message, not the exception: a handler may keep the record, and with it the frames
-            log.warning("batch of %d failed (%s); retrying each request alone", len(batch), str(err))
+            log.warning(
+                "batch of %d (%s) failed (%s); retrying each request alone", len(batch), _ids(batch), str(err)
+            )
         else:
             self._recover(len(batch))
             return outcomes
@@ -339,7 +350,8 @@ class Engine:
             job.batch_size = 1
         return [self._run(device, [job])[0] for job in batch]
 
-    def _back_off(self, size: int, err: ApiError) -> None:
+    def _back_off(self, batch: Sequence[Job], err: ApiError) -> None:
+        size = len(batch)
         self.metrics.rejected.labels("out_of_memory").inc(size)
         if size == 1:  # one request too large for the device: no smaller batch would help
             return
@@ -347,7 +359,13 @@ class Engine:
             self.batch_limit = max(1, min(self.batch_limit, size) // 2)
             self._streak = 0
             self.metrics.batch_limit.set(self.batch_limit)
-        log.warning("a batch of %d was refused (%s); batch limit now %d", size, err.detail, self.batch_limit)
+        log.warning(
+            "a batch of %d (%s) was refused (%s); batch limit now %d",
+            size,
+            _ids(batch),
+            err.detail,
+            self.batch_limit,
+        )
 
     def _recover(self, size: int) -> None:
         with self._cond:

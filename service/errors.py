@@ -1,4 +1,4 @@
-"""Every error the API returns, as JSON ``{"error": code, "detail": message}``.
+"""Every error the API returns, as JSON ``{"error": code, "detail": message, "request_id": id}``.
 
 A client's mistake maps to a 4xx with a detail saying what was wrong; only a
 bug in the service is a 500.
@@ -7,11 +7,13 @@ bug in the service is a 500.
 from __future__ import annotations
 
 import logging
+from collections.abc import MutableMapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("kdeq.service")
@@ -22,6 +24,9 @@ class ErrorBody(BaseModel):
 
     error: str
     detail: str
+    request_id: str | None = Field(
+        None, description="the request's ID, as in the `X-Request-ID` header: quote it when reporting"
+    )
 
 
 class ApiError(StarletteHTTPException):
@@ -84,10 +89,21 @@ ERROR_RESPONSES: dict[int | str, dict] = {
 }
 
 
+def request_id_of(scope: MutableMapping[str, Any]) -> str | None:
+    """The ID the ``RequestId`` middleware gave the request of ``scope`` (``None`` before it ran)."""
+    return scope.get("state", {}).get("kdeq_request_id")
+
+
 def error_response(
-    status: int, error: str, detail: str, headers: dict[str, str] | None = None
+    request: Request, status: int, error: str, detail: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
+    """The JSON error ``{"error", "detail", "request_id"}``, the ID in ``X-Request-ID`` too: a 500
+    is sent from outside the middlewares, past the one that adds the header."""
+    rid = request_id_of(request.scope)
+    if rid is not None:
+        headers = {**(headers or {}), "X-Request-ID": rid}
+    body = {"error": error, "detail": detail, "request_id": rid}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _validation_status(err: RequestValidationError) -> int:
@@ -112,14 +128,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = getattr(exc, "error", STATUS_CODES.get(exc.status_code, "error"))
-        return error_response(exc.status_code, error, str(exc.detail), exc.headers)
+        return error_response(request, exc.status_code, error, str(exc.detail), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         status = _validation_status(exc)
-        return error_response(status, STATUS_CODES[status], _describe(exc))
+        return error_response(request, status, STATUS_CODES[status], _describe(exc))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, "internal", "internal error; the service log has the details")
+        rid = request_id_of(request.scope)
+        log.exception("unhandled error on %s %s", request.method, request.url.path, extra={"request_id": rid})
+        return error_response(request, 500, "internal", "internal error; the service log has the details")

@@ -23,6 +23,7 @@ from types import FrameType
 
 import uvicorn
 
+from service import logs
 from service.app import create_app
 from service.settings import Settings
 from service.state import Service
@@ -60,15 +61,16 @@ class DrainingServer(uvicorn.Server):
 def serve(settings: Settings) -> int:
     """Run the server in this process until it is stopped; the exit status: 0, or
     ``EXIT_DEVICE_FAILED`` when it stopped because a device failed."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # uvicorn's records go to the root handler (one format); its access line is ours (AccessLog)
+        log_config=None,
+        access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=int(settings.request_timeout_seconds) + 5,
     )

@@ -127,6 +127,11 @@ class Settings(BaseModel):
         "0.3 s per model at 32 and 1–7 s per model at 256 (20 s for the four default models)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="`text` (a line for a person) or `json` (an object a line: time, level, logger, message, "
+        "request_id, and each access line's fields)",
+    )
     conv_backend: Literal["auto", "padded", "prepadded", "fft"] = Field(
         "auto",
         description="how the models' zero-border convolutions run on the CPU (`kdeq.backends`): `auto` "

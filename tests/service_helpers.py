@@ -53,12 +53,13 @@ def to_uint8(x: np.ndarray) -> np.ndarray:
 
 
 def assert_error(response, status: int, error: str | None = None) -> dict:
-    """The JSON error body of ``response``, checked: ``status``, ``{"error", "detail"}`` with a detail,
-    and the ``error`` code when given."""
+    """The JSON error body of ``response``, checked: ``status``, ``{"error", "detail", "request_id"}``
+    with a detail and the ID of the ``X-Request-ID`` header, and the ``error`` code when given."""
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
     body = response.json()
-    assert set(body) == {"error", "detail"} and body["detail"]
+    assert set(body) == {"error", "detail", "request_id"} and body["detail"], body
+    assert body["request_id"] == response.headers["x-request-id"], (body, response.headers)
     if error is not None:
         assert body["error"] == error, body
     return body

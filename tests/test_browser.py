@@ -5,6 +5,7 @@ real image through them, and the result, its statistics and a screenshot are che
 from __future__ import annotations
 
 import base64
+import io
 import os
 import shutil
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import httpx2 as httpx
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from kdeq.operators import Blur
 from kdeq.psf import gaussian_psf, parse_psf
@@ -398,4 +400,35 @@ def test_a_server_without_tasks_says_so(browser, server) -> None:
     assert page.inner_text("#error").startswith("GET /tasks: 404")
     assert "does not list its tasks" in page.inner_text("#task-summary")
     assert page.locator("input[name=task]").count() == 0 and page.locator("#run").is_disabled()
+    page.close()
+
+
+def test_the_api_docs_render_with_the_network_closed(browser, server, tasks) -> None:
+    """Every request but the server's is blocked: the page still renders each route, asks nothing of
+    anywhere else, and shows the service's icon."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    outside: list[str] = []
+    failed: list[str] = []
+    page.on("pageerror", lambda err: errors.append(str(err)))
+    page.on("requestfailed", lambda req: failed.append(req.url))
+
+    def only_the_server(route) -> None:
+        if route.request.url.startswith(server.url):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_the_server)
+    page.goto(server.url + "/docs")
+    page.wait_for_selector(".opblock-summary-path", timeout=60_000)
+    text = page.inner_text("body")
+    for task in tasks:
+        assert task["route"] in text, task["route"]
+    assert not outside and not failed and not errors, (outside, failed, errors)
+    icon = page.get_attribute("link[rel~='icon']", "href")
+    r = httpx.get(server.url + icon)
+    assert r.status_code == 200 and r.headers["content-type"] == "image/vnd.microsoft.icon"
+    assert Image.open(io.BytesIO(r.content)).format == "ICO"
     page.close()

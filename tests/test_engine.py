@@ -12,6 +12,7 @@ import torch
 
 from service.engine import Engine, Job
 from service.errors import ApiError, DeviceFailedError
+from service.logs import REQUEST_ID
 from service.metrics import Metrics
 
 
@@ -258,9 +259,10 @@ def test_admission_counts_requests_not_yet_queued() -> None:
     assert 'kdeq_rejected_requests_total{reason="queue_full"} 1.0' in metrics.render().decode()
 
 
-def test_a_failed_batch_is_freed_before_its_requests_are_retried() -> None:
+def test_a_failed_batch_is_freed_before_its_requests_are_retried(caplog: pytest.LogCaptureFixture) -> None:
     """The retry one request at a time runs after the failed attempt's exception is gone: a tensor
-    the failing batch held is already freed when the first retry starts."""
+    the failing batch held is already freed when the first retry starts. The warning names the
+    batch's requests by the IDs they were made under."""
     held: list[weakref.ref] = []
     alive_at_retry: list[bool] = []
 
@@ -274,16 +276,25 @@ def test_a_failed_batch_is_freed_before_its_requests_are_retried() -> None:
 
     eng, _ = engine(runner, batch_wait_seconds=1.0)
 
+    def made_under(rid: str, payload: str) -> Job:
+        token = REQUEST_ID.set(rid)
+        try:
+            return job(payload)
+        finally:
+            REQUEST_ID.reset(token)
+
     async def scenario():
         with eng.incoming() as t1, eng.incoming() as t2:
             pair = [
-                asyncio.create_task(eng.infer(job("a"), t1)),
-                asyncio.create_task(eng.infer(job("b"), t2)),
+                asyncio.create_task(eng.infer(made_under("rid-a", "a"), t1)),
+                asyncio.create_task(eng.infer(made_under("rid-b", "b"), t2)),
             ]
             return await asyncio.gather(*pair)
 
-    assert run(scenario, eng) == ["a", "b"]
+    with caplog.at_level("WARNING", logger="kdeq.service"):
+        assert run(scenario, eng) == ["a", "b"]
     assert alive_at_retry == [False, False]
+    assert any("requests rid-a, rid-b" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_device_failure_answers_every_queued_request_and_retires_the_worker() -> None:

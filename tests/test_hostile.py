@@ -204,7 +204,11 @@ def test_hostile_corpus_gets_clear_answers_and_the_service_survives(tmp_path) ->
                 assert r.status_code == case.status, (case.name, r.status_code, r.text[:300])
                 if r.status_code >= 400:
                     body = r.json()
-                    assert set(body) == {"error", "detail"} and body["detail"], (case.name, body)
+                    assert set(body) == {"error", "detail", "request_id"} and body["detail"], (
+                        case.name,
+                        body,
+                    )
+                    assert body["request_id"] == r.headers["x-request-id"], (case.name, body)
                     if case.error:
                         assert body["error"] == case.error, (case.name, body)
                 else:
