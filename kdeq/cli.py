@@ -4,6 +4,8 @@
   inpaint, …), with the task's options and file inputs as flags: run a repository model on image
   files in one process, batched by size (``kdeq.batchrun``), and print the solver statistics of each
   and, for several, a summary; the exit status is 3 when a solve did not converge;
+- ``kdeq remote --url URL TASK IN [IN …] -o OUT``: the same, with the same task arguments, solved by a
+  kdeq service over HTTP (``kdeq.client``; the API key from ``--api-key`` or ``KDEQ_API_KEY``);
 - ``kdeq models``: list the repository;
 - ``kdeq samples DIR``: write generated sample images to try the models on;
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from importlib.metadata import entry_points
@@ -33,12 +36,14 @@ from pathlib import Path
 from types import UnionType
 from typing import Literal, Union, get_args, get_origin
 
+import numpy as np
 import torch
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from kdeq import batchrun
 from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
+from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError
 from kdeq.families import Gaussian
 from kdeq.imageio import write_png
 from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, compose_checkpoint, init_checkpoint
@@ -129,6 +134,21 @@ def add_task_arguments(parser: argparse.ArgumentParser, task: Task) -> None:
         )
 
 
+def add_task_command_arguments(
+    parser: argparse.ArgumentParser, task: Task, inputs_help: str, model_help: str
+) -> None:
+    """What ``kdeq TASK`` and ``kdeq remote TASK`` both take: the input files, ``-o``, the model, the
+    solver overrides and ``task``'s own arguments (``add_task_arguments``)."""
+    parser.add_argument("input", nargs="+", help=inputs_help)
+    parser.add_argument(
+        "-o", "--out", required=True, help="output PNG; with several inputs, a folder of <stem>.png"
+    )
+    parser.add_argument("--model", help=model_help)
+    parser.add_argument("--tol", type=float, help="solver tolerance override")
+    parser.add_argument("--max-iter", type=int, help="solver iteration cap override")
+    add_task_arguments(parser, task)
+
+
 def _run_model(args: argparse.Namespace) -> int:
     task = TASKS[args.command]
     root = Path(args.models_dir)
@@ -177,6 +197,79 @@ def _run_model(args: argparse.Namespace) -> int:
             f"({elapsed / count * 1e3:.0f} ms per image, reading and writing included), written to {args.out}"
         )
     return 0 if converged == count else 3
+
+
+def _run_remote(args: argparse.Namespace) -> int:
+    """``kdeq remote TASK``: every input and file input read and checked as ``kdeq TASK`` does
+    (``batchrun.plan``: the options, each image decoded, a mask's size, …) before anything is sent;
+    then each input sent to the service in turn, its output written where and as ``kdeq TASK`` writes
+    it (``batchrun.outputs``; 8-bit, without alpha: ``_write_local``) and a line of statistics
+    printed per image; 3 when a solve did not converge, as locally."""
+    task = TASKS[args.task]
+    inputs = [Path(p) for p in args.input]
+    options = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}
+    named = {f.name: Path(getattr(args, f.name)) for f in task.files if getattr(args, f.name)}
+    several = len(inputs) > 1
+    start, converged = time.perf_counter(), 0
+    # the client first, so that a missing httpx2 is reported before every input is read
+    with Client(args.url, args.api_key, args.timeout, args.retry_budget) as client:
+        # the solver limits are the service's to check (it refuses raising the model's cap, or tol ≥ 1)
+        jobs = batchrun.plan(task, inputs, Path(args.out), task.options(**options), named, None)
+        if several:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        for job in jobs:
+            files = {name: batchrun.matched_file(path, job.source) for name, path in named.items()}
+            result = client.run(
+                task.name,
+                job.source,
+                model=args.model,
+                max_iter=args.max_iter,
+                tol=args.tol,
+                **options,
+                **files,
+            )
+            _write_local(job.out, result.image)
+            extra = "".join(f", {k} {v:.4g}" for k, v in result.fields.items() if v is not None)
+            print(
+                f"{f'{job.source}: ' if several else ''}{result.model}: iterations {result.iterations}, "
+                f"residual {result.residual:.2e}, converged {result.converged}{extra}, "
+                f"{result.timings.get('total', 0.0) * 1e3:.0f} ms on the service",
+                flush=True,
+            )
+            converged += result.converged
+    if several:
+        elapsed = time.perf_counter() - start
+        print(
+            f"{len(inputs)} images: {converged}/{len(inputs)} converged, {elapsed:.2f} s, "
+            f"written to {args.out}"
+        )
+    return 0 if converged == len(inputs) else 3
+
+
+def _write_local(path: Path, image: np.ndarray) -> None:
+    """Write the service's output ``image`` (``Result.image``) with ``kdeq TASK``'s writer
+    (``imageio.write_png``): an 8-bit PNG, grey or RGB, its alpha dropped, 16-bit grey rounded to 8 bits."""
+    peak = 65535.0 if image.dtype == np.uint16 else 255.0
+    planes = torch.from_numpy(image.astype(np.float32) / np.float32(peak))
+    planes = planes[None] if planes.ndim == 2 else planes.permute(2, 0, 1)
+    write_png(path, planes[:-1] if planes.shape[0] in (2, 4) else planes)
+
+
+def _remote(args: argparse.Namespace) -> int:
+    """``_run_remote``; on an error its code, detail and request ID on standard error and the exit status
+    2 where the arguments, a local file or the request is at fault (a 4xx included), 1 where no answer
+    could be had: a 5xx, a timeout, a failed connection, or httpx2 (the ``client`` extra) missing."""
+    try:
+        return _run_remote(args)
+    except KdeqError as err:
+        print(f"kdeq remote {args.task}: error: {err}", file=sys.stderr)
+        return 2 if err.status is not None and err.status < 500 else 1
+    except ImportError as err:
+        print(f"kdeq remote {args.task}: error: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError, ValidationError) as err:
+        print(f"kdeq remote {args.task}: error: {err}", file=sys.stderr)
+        return 2
 
 
 def _tile_side(text: str) -> int:
@@ -270,9 +363,11 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(
             task.name, help=f"{task.summary[0].lower()}{task.summary[1:]}: an image file, a repository model"
         )
-        p.add_argument("input", nargs="+", help="PNG, JPEG, WebP or TIFF files, solved in one process")
-        p.add_argument(
-            "-o", "--out", required=True, help="output PNG; with several inputs, a folder of <stem>.png"
+        add_task_command_arguments(
+            p,
+            task,
+            "PNG, JPEG, WebP or TIFF files, solved in one process",
+            f"NAME or NAME:VERSION (default {task.name}-kglm, latest version)",
         )
         p.add_argument(
             "--batch-size",
@@ -286,12 +381,40 @@ def main(argv: list[str] | None = None) -> int:
             help=f"solve images of more than N×N pixels in tiles of about N×N, where the task can "
             f"(default {TILE_SIZE}; 0: never)",
         )
-        p.add_argument("--model", help=f"NAME or NAME:VERSION (default {task.name}-kglm, latest version)")
         p.add_argument("--models-dir", default=models_dir)
         p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
-        p.add_argument("--tol", type=float, help="solver tolerance override")
-        p.add_argument("--max-iter", type=int, help="solver iteration cap override")
-        add_task_arguments(p, task)
+    p_remote = sub.add_parser("remote", help="run a task on a kdeq service over HTTP (kdeq.client)")
+    p_remote.add_argument("--url", required=True, help="the service's base URL, e.g. http://127.0.0.1:8000")
+    p_remote.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=os.environ.get("KDEQ_API_KEY"),
+        help="the service's API key (default: $KDEQ_API_KEY, which keeps it off the process list)",
+    )
+    p_remote.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help="seconds to wait for each answer (default %(default)s)",
+    )
+    p_remote.add_argument(
+        "--retry-budget",
+        type=float,
+        default=DEFAULT_RETRY_BUDGET,
+        help="seconds a request may wait in all to be sent again after a 503's Retry-After "
+        "(default %(default)s)",
+    )
+    p_remote.set_defaults(handler=_remote)
+    remote_sub = p_remote.add_subparsers(dest="task", required=True)
+    for task in TASKS.values():
+        add_task_command_arguments(
+            remote_sub.add_parser(
+                task.name, help=f"{task.summary[0].lower()}{task.summary[1:]}: image files, a service's model"
+            ),
+            task,
+            "PNG, JPEG, WebP or TIFF files, sent to the service one after another",
+            f"NAME or NAME:VERSION of a model the service has loaded (default: its {task.name} default)",
+        )
     p_models = sub.add_parser("models", help="list the model repository")
     p_models.add_argument("--models-dir", default=models_dir)
     p_samples = sub.add_parser("samples", help="write sample images (photo, noisy, holes, scan) to try")

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from kdeq.operators import KernelMap, Operator, solve_observed
-from kdeq.solvers import SolverConfig, SolverStats
+from kdeq.solvers import SolverConfig, SolverStats, chained
 
 #: ``(x, σ) ↦ (D(x, σ), stats)``: a denoiser of images ``(B, c, H, W)`` at noise levels ``(B,)`` in
 #: [0, 1] units, with its solve's statistics
@@ -81,8 +81,4 @@ def plug_and_play(
         x, stats = data_step(op, y, z, lam / sigma.square(), config)
         z, prior = denoise(x, sigma)
         solves += [stats, prior]
-    return z, SolverStats(
-        torch.stack([st.iterations for st in solves]).sum(0),
-        torch.stack([st.residual.to(y.dtype) for st in solves]).amax(0),
-        torch.stack([st.converged for st in solves]).all(0),
-    )
+    return z, chained(solves)

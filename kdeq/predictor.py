@@ -46,6 +46,7 @@ class SolverOverride(BaseModel):
 
     tol: float | None = Field(None, gt=0)
     max_iter: int | None = Field(None, ge=1, le=10_000)
+    history: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kdeq.imageio import write_png
+from kdeq.operators import Blur
+from kdeq.psf import parse_psf
 
 
 def _scene(height: int, width: int) -> torch.Tensor:
@@ -25,11 +28,12 @@ def _scene(height: int, width: int) -> torch.Tensor:
     return torch.where(square, torch.tensor(0.1), img).clamp(0, 1)
 
 
-def write_samples(directory: str | Path, seed: int = 0, size: tuple[int, int] = (192, 256)) -> list[Path]:
-    """Write ``photo.png`` (clean colour), ``noisy.png`` (σ = 25 Gaussian noise), ``holes.png`` (a
-    mask, white = missing) and ``scan.png`` (noisy grey shapes to segment) into ``directory``."""
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
+def sample_images(seed: int = 0, size: tuple[int, int] = (192, 256)) -> dict[str, torch.Tensor]:
+    """Generated images ``(c, H, W)`` in [0, 1], by name: ``photo`` (a clean colour scene), ``noisy``
+    (it with σ = 25 Gaussian noise), ``holes`` (a grey mask, 1 = missing), ``holey`` (the photo with
+    an alpha channel, 0 where ``holes`` is 1), ``scan`` (noisy grey shapes to segment), ``blurred``
+    (the photo blurred by a Gaussian PSF of width 1.6, σ = 2 noise) and ``small`` (the photo at half
+    the size, averaged 2×2)."""
     gen = torch.Generator().manual_seed(seed)
     h, w = size
     photo = _scene(h, w)
@@ -39,7 +43,26 @@ def write_samples(directory: str | Path, seed: int = 0, size: tuple[int, int] = 
     holes[:, h // 2 : 3 * h // 4, w // 2 : w // 2 + 10] = 1.0
     shapes = (photo.mean(dim=0, keepdim=True) > 0.5).float()
     scan = (0.25 + 0.5 * shapes + 0.2 * torch.randn(shapes.shape, generator=gen)).clamp(0, 1)
-    files = {"photo.png": photo, "noisy.png": noisy, "holes.png": holes, "scan.png": scan}
-    for name, image in files.items():
-        write_png(out / name, image)
-    return [out / name for name in files]
+    blur = Blur(parse_psf("gaussian:1.6"), "symmetric")
+    blurred = (blur.forward(photo[None])[0] + 2 / 255 * torch.randn(photo.shape, generator=gen)).clamp(0, 1)
+    return {
+        "photo": photo,
+        "noisy": noisy,
+        "holes": holes,
+        "holey": torch.cat([photo, 1 - holes]),
+        "scan": scan,
+        "blurred": blurred,
+        "small": F.avg_pool2d(photo[None], 2)[0],
+    }
+
+
+def write_samples(directory: str | Path, seed: int = 0, size: tuple[int, int] = (192, 256)) -> list[Path]:
+    """Write ``photo.png``, ``noisy.png``, ``holes.png`` (white = missing) and ``scan.png`` of
+    ``sample_images`` into ``directory``."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    images = sample_images(seed, size)
+    names = ("photo", "noisy", "holes", "scan")
+    for name in names:
+        write_png(out / f"{name}.png", images[name])
+    return [out / f"{name}.png" for name in names]

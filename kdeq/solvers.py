@@ -28,7 +28,7 @@ Solvers (registry ``SOLVERS``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,6 +54,8 @@ class SolverConfig(BaseModel):
         regularization: Anderson's Tikhonov term, relative to the mean squared
             residual of the history (scale-free).
         atol: root-mean-square floor ``a`` under the residual's denominator.
+        history: record each step's relative residual (``SolverStats.history``); a per-call
+            choice, never stored with a model (``exclude``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -66,6 +68,7 @@ class SolverConfig(BaseModel):
     memory: int = Field(10, ge=1)
     regularization: float = Field(1e-8, ge=0)
     atol: float = Field(1e-8, ge=0)
+    history: bool = Field(False, exclude=True)
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,28 @@ class SolverStats:
             (or the cap, or the step a non-finite value appeared).
         residual: relative residual ``‖f(z) − z‖/‖f(z)‖`` of the returned iterate.
         converged: ``bool``, ``residual ≤ tol``.
+        history: ``(B, T)``, when the solve was asked for it (``SolverConfig.history``): the
+            relative residual of each sample's iterate at each of the ``T ≤ max_iter`` steps the
+            batch took, NaN where the sample had stopped; else ``None``.
     """
 
     iterations: torch.Tensor
     residual: torch.Tensor
     converged: torch.Tensor
+    history: torch.Tensor | None = None
+
+
+def chained(stats: Sequence[SolverStats]) -> SolverStats:
+    """The statistics of solves run one after another on a batch: iterations summed, the worst
+    residual, converged when every solve did, and the histories joined step after step (``None``
+    unless every solve recorded one)."""
+    histories = [st.history for st in stats]
+    return SolverStats(
+        torch.stack([st.iterations for st in stats]).sum(0),
+        torch.stack([st.residual.to(stats[0].residual.dtype) for st in stats]).amax(0),
+        torch.stack([st.converged for st in stats]).all(0),
+        None if any(h is None for h in histories) else torch.cat(histories, dim=1),
+    )
 
 
 #: device types whose tensors are read by the host without waiting for queued work
@@ -164,10 +184,13 @@ class _Tracker:
         self.iterations = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
         self.active = self.best_res > config.tol
         self.look_ahead = None if z.device.type in SYNC_FREE_DEVICES else _LookAhead(z.device)
+        self.history: list[torch.Tensor] | None = [] if config.history else None
 
     def update(self, step: int, z: torch.Tensor, res: torch.Tensor) -> bool:
         """Record iterate ``z`` with its relative residual ``res`` ``(B,)`` for the samples still
         active; return True to stop (module docstring: at once on the CPU, one step late elsewhere)."""
+        if self.history is not None:  # kept on the device: no host read per step
+            self.history.append(torch.where(self.active, res, torch.nan))
         res = torch.where(self.active, res, torch.inf)
         self.iterations += self.active.to(torch.int64)
         better = res < self.best_res
@@ -190,10 +213,15 @@ class _Tracker:
             self.look_ahead.pending = None
 
     def result(self) -> tuple[torch.Tensor, SolverStats]:
+        history = None
+        if self.history is not None:
+            empty = self.best_res.new_empty(self.best_res.shape[0], 0)
+            history = torch.stack(self.history, dim=1) if self.history else empty
         stats = SolverStats(
             iterations=self.iterations,
             residual=self.best_res,
             converged=self.best_res <= self.config.tol,
+            history=history,
         )
         return self.best, stats
 

@@ -138,6 +138,7 @@ def solve_tiled(
         residual=max((s.residual for s in stats), key=lambda r: math.inf if math.isnan(r) else r),
         converged=all(s.converged for s in stats),
         finite=all(s.finite for s in stats),
+        history=None,  # one per tile: no single sequence is the image's
     )
 
 

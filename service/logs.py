@@ -16,6 +16,8 @@ import time
 from contextvars import ContextVar
 from typing import Literal
 
+from opentelemetry import trace
+
 REQUEST_ID: ContextVar[str | None] = ContextVar("kdeq_request_id", default=None)
 
 access_log = logging.getLogger("kdeq.access")
@@ -24,11 +26,15 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class RequestIdFilter(logging.Filter):
-    """Gives every record the current request's ID (``None`` outside a request)."""
+    """Gives every record the current request's ID (``None`` outside a request), and the current
+    trace's ID (``trace_id``, 32 hex digits) while a span is recording (``service.tracing``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not hasattr(record, "request_id"):
             record.request_id = REQUEST_ID.get()
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid and not hasattr(record, "trace_id"):
+            record.trace_id = format(context.trace_id, "032x")
         return True
 
 
@@ -61,6 +67,8 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
             "request_id": getattr(record, "request_id", None),
         }
+        if hasattr(record, "trace_id"):
+            entry["trace_id"] = record.trace_id
         entry.update(getattr(record, "access", None) or {})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)

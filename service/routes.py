@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import inspect
+import io
 import math
 import time
 from collections.abc import Callable
@@ -23,12 +25,15 @@ from fastapi import APIRouter, Depends, File, Form, Request, Security, UploadFil
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPBearer
+from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError, create_model
 from pydantic import Field as PydanticField
 from pydantic.fields import FieldInfo
 
+from kdeq.imageio import to_bytes
 from kdeq.predictor import SolverOverride
+from kdeq.samples import sample_images
 from kdeq.tasks import TASKS, InputError, Solved, Task
 from kdeq.tasks import Request as TaskRequest
 from service.decode import DecodedImage, decode_image, decode_mask
@@ -37,6 +42,7 @@ from service.engine import Job
 from service.errors import ERROR_RESPONSES, ApiError
 from service.registry import ModelSlot
 from service.state import Service
+from service.tracing import record_phases
 
 router = APIRouter()
 
@@ -48,6 +54,10 @@ class SolverInfo(BaseModel):
     iterations: int
     residual: float | None
     converged: bool
+    history: list[float | None] | None = PydanticField(
+        None,
+        description="with `history=true`: the relative residual at each step (null where it was not finite)",
+    )
 
 
 class Timings(BaseModel):
@@ -149,15 +159,26 @@ TolField = Annotated[
 ]
 
 
-def _override(slot: ModelSlot, max_iter: int | None, tol: float | None) -> SolverOverride | None:
-    if max_iter is None and tol is None:
+HistoryField = Annotated[
+    bool,
+    Form(
+        description="also return the relative residual at each step (JSON: `solver.history`; at most "
+        "`max_iter` numbers; not for images solved in tiles)"
+    ),
+]
+
+
+def _override(
+    slot: ModelSlot, max_iter: int | None, tol: float | None, history: bool
+) -> SolverOverride | None:
+    if max_iter is None and tol is None and not history:
         return None
     cap = slot.config.solver.max_iter
     if max_iter is not None and max_iter > cap:
         raise ApiError(
             422, "max_iter_too_large", f"`max_iter` may lower the cap of {slot.id} ({cap}), not raise it"
         )
-    return SolverOverride(max_iter=max_iter, tol=tol)
+    return SolverOverride(max_iter=max_iter, tol=tol, history=history or None)
 
 
 def _read(upload: UploadFile) -> bytes:
@@ -202,7 +223,8 @@ def _decode_inputs(
 
 def add_task_route(router: APIRouter, task: Task) -> None:
     """``POST /<task>``: the form fields are ``image``, the task's options and file inputs, ``model``,
-    ``max_iter`` and ``tol``; the response is ``task``'s ``Result`` (JSON) or the PNG with headers."""
+    ``max_iter``, ``tol`` and ``history``; the response is ``task``'s ``Result`` (JSON) or the PNG with
+    headers."""
     result_model = create_model(
         f"{task.name.title().replace('-', '')}Result",
         __base__=Result,
@@ -217,7 +239,7 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         ticket = request.state.kdeq_ticket  # admitted by the Admission middleware
         # before decoding: the model (400/404), the solver override (422), the options (422)
         slot = svc.registry.resolve(task.name, form["model"])
-        override = _override(slot, form["max_iter"], form["tol"])
+        override = _override(slot, form["max_iter"], form["tol"], bool(form["history"]))
         try:
             options = task.options(**{name: form[name] for name in option_names})
         except ValidationError as err:
@@ -278,6 +300,21 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             encode_seconds=end - done_at,
             total_seconds=end - start,
         )
+        record_phases(
+            [
+                ("decode", start, decoded_at),
+                ("queue", job.enqueued_at, job.started_at),
+                ("solve", job.started_at, done_at),
+                ("encode", done_at, end),
+            ],
+            {
+                "model": slot.id,
+                "iterations": solved.iterations,
+                "residual": solved.residual,
+                "converged": solved.converged,
+                "batch_size": job.batch_size,
+            },
+        )
         headers = {
             "Vary": "Accept",
             "X-KDEQ-Model": slot.id,
@@ -303,7 +340,14 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             width=w,
             height=h,
             mode=mode,
-            solver=SolverInfo(iterations=solved.iterations, residual=residual, converged=solved.converged),
+            solver=SolverInfo(
+                iterations=solved.iterations,
+                residual=residual,
+                converged=solved.converged,
+                history=None
+                if solved.history is None
+                else [v if math.isfinite(v) else None for v in solved.history],
+            ),
             lam=solved.lam,
             batch_size=job.batch_size,
             timings=timings,
@@ -329,6 +373,7 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             inspect.Parameter("model", KEYWORD, default=None, annotation=ModelField),
             inspect.Parameter("max_iter", KEYWORD, default=None, annotation=MaxIterField),
             inspect.Parameter("tol", KEYWORD, default=None, annotation=TolField),
+            inspect.Parameter("history", KEYWORD, default=False, annotation=HistoryField),
         ]
     )
     endpoint.__name__ = task.name.replace("-", "_")
@@ -340,7 +385,10 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         description=" ".join((task.__doc__ or task.summary).split()),
         responses=_responses(task, result_model),
         response_class=Response,
-        dependencies=[*AUTH, only_fields("image", *option_names, *file_names, "model", "max_iter", "tol")],
+        dependencies=[
+            *AUTH,
+            only_fields("image", *option_names, *file_names, "model", "max_iter", "tol", "history"),
+        ],
     )
 
 
@@ -472,6 +520,30 @@ PAGE_HEADERS = {
 @router.get("/", summary="A page to try the models in a browser", response_class=FileResponse)
 async def page() -> FileResponse:
     return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
+
+
+@functools.lru_cache(maxsize=16)
+def _sample_png(name: str) -> bytes:
+    """The generated image ``name`` (``kdeq.samples.sample_images``) as PNG bytes, made once."""
+    buffer = io.BytesIO()
+    Image.fromarray(to_bytes(sample_images()[name])).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@router.get(
+    "/samples/{task}",
+    summary='A generated image to try a task on (the page\'s "Try a sample")',
+    response_class=Response,
+    responses={
+        200: {"description": "a PNG", "content": {PNG: {"schema": {"type": "string", "format": "binary"}}}},
+        404: ERROR_RESPONSES[404],
+    },
+)
+async def sample(task: str) -> Response:
+    if task not in TASKS:
+        raise ApiError(404, "not_found", f"no task {task!r}; the tasks are {', '.join(TASKS)}")
+    png = await run_in_threadpool(_sample_png, TASKS[task].sample)
+    return Response(png, media_type=PNG, headers={"Cache-Control": "public, max-age=86400"})
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format)", response_class=Response)

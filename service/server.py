@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-from service import logs
+from service import logs, tracing
 from service.app import create_app
 from service.settings import Settings
 from service.state import Service
@@ -62,6 +62,7 @@ def serve(settings: Settings) -> int:
     """Run the server in this process until it is stopped; the exit status: 0, or
     ``EXIT_DEVICE_FAILED`` when it stopped because a device failed."""
     logs.configure(settings.log_level, settings.log_format)
+    tracing.configure()
     app = create_app(settings)
     config = uvicorn.Config(
         app,

@@ -432,3 +432,26 @@ def test_the_api_docs_render_with_the_network_closed(browser, server, tasks) -> 
     assert r.status_code == 200 and r.headers["content-type"] == "image/vnd.microsoft.icon"
     assert Image.open(io.BytesIO(r.content)).format == "ICO"
     page.close()
+
+
+def test_a_sample_needs_no_upload_and_the_residual_is_plotted_per_iteration(browser, server) -> None:
+    """ "Try a sample" loads the server's generated image for the chosen task; the result comes with
+    a plot of the residual with one point per iteration the statistics report."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda err: errors.append(str(err)))
+    page.goto(server.url + "/")
+    page.wait_for_selector("#status.ok", timeout=30_000)
+    for task in ("denoise", "segment"):
+        page.check(f"input[name=task][value={task}]")
+        page.click("#sample")
+        page.wait_for_selector(f"#filename:has-text('sample-{task}.png')", timeout=30_000)
+        page.locator("#run:not([disabled])").wait_for()
+        page.click("#run")
+        page.wait_for_selector("#stats:not([hidden])", timeout=60_000)
+        iterations = int(page.inner_text("#stat-iterations"))
+        assert page.locator("#history").is_visible(), task
+        assert page.locator("#history-plot circle.step").count() == iterations >= 1, task
+        assert page.locator("#history-plot polyline.residual").count() == 1, task
+    assert not errors, errors
+    page.close()

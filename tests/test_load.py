@@ -87,7 +87,25 @@ def single_solve_seconds(url: str, png: bytes, repeats: int = 5) -> float:
     return float(np.median(times))
 
 
+def probed(url: str, stop: threading.Event, period: float = 0.1) -> list[float]:
+    """Seconds of each ``GET /healthz`` sent every ``period`` until ``stop``: how fast the server
+    answers a request that needs no solve, at each moment (a neighbour's load included)."""
+    out: list[float] = []
+    conn = http.client.HTTPConnection(*url.split("//")[1].split(":"), timeout=60)
+    while not stop.wait(period):
+        t0 = time.monotonic()
+        conn.request("GET", "/healthz")
+        conn.getresponse().read()
+        out.append(time.monotonic() - t0)
+    conn.close()
+    return out
+
+
 def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
+    """An open load of 6× capacity: refusals (503) as fast as 50 ms, or as a liveness probe sent
+    beside them (on a machine slowed by a neighbour); accepted requests within the queue's wait; and
+    the next request after the load at its unloaded latency. The solve time that bounds the waits is
+    the slower of two measured beside the load, before and after it."""
     queue = 4
     with run_server(tmp_path, queue_size=queue, max_batch_size=1) as server:
         pngs = images(128)
@@ -95,7 +113,12 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
         # an open load of 6× what one worker serves (1 / `alone`), spread over 16 clients, whatever
         # this machine's speed
         clients, offered = 16, 6.0 / alone
-        results = hammer(server.url, pngs, clients=clients, seconds=8.0, interval=clients / offered)
+        stop = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            probes = pool.submit(probed, server.url, stop)
+            results = hammer(server.url, pngs, clients=clients, seconds=8.0, interval=clients / offered)
+            stop.set()
+            probe_p99 = float(np.quantile(probes.result(), 0.99))
         codes = [c for _, _, c, _ in results]
         assert set(codes) <= {200, 503}, set(codes)
         rejected = [t for _, t, c, _ in results if c == 503]
@@ -103,15 +126,19 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
         assert len(rejected) > len(accepted) > 0  # offered load far above capacity
         assert all(retry == "1" for _, _, c, retry in results if c == 503)
         p99_rejected = float(np.quantile(rejected, 0.99))
-        assert p99_rejected <= 0.050, p99_rejected
-        # an accepted request waits for at most the queue ahead of it, the one being solved and itself
-        p99_accepted = float(np.quantile(accepted, 0.99))
-        assert p99_accepted <= 2.0 * (queue + 2) * alone, (p99_accepted, alone)
+        assert p99_rejected <= max(0.050, 2.0 * probe_p99), (p99_rejected, probe_p99)
         # recovery: the next request is served at once, at its unloaded latency
         t0 = time.monotonic()
-        assert httpx.post(server.url + "/denoise", files={"image": pngs[0]}, data={"sigma": "20"}).is_success
+        assert httpx.post(
+            server.url + "/denoise", files={"image": pngs[0]}, data={"sigma": "20"}, timeout=60
+        ).is_success
         recovered = time.monotonic() - t0
-        assert recovered <= 3.0 * alone + 0.05, (recovered, alone)
+        after = single_solve_seconds(server.url, pngs[0])
+        unit = max(alone, after)
+        # an accepted request waits for at most the queue ahead of it, the one being solved and itself
+        p99_accepted = float(np.quantile(accepted, 0.99))
+        assert p99_accepted <= 2.0 * (queue + 2) * unit, (p99_accepted, alone, after)
+        assert recovered <= 3.0 * unit + 0.05, (recovered, alone, after)
     summary = {
         "clients": clients,
         "offered_per_s": round(offered, 1),
@@ -122,7 +149,8 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
         "accepted": len(accepted),
         "rejected_503": len(rejected),
         "other": len(results) - len(accepted) - len(rejected),
-        "single_solve_ms": round(alone * 1e3, 1),
+        "single_solve_ms_before_after": [round(alone * 1e3, 1), round(after * 1e3, 1)],
+        "p99_probe_ms": round(probe_p99 * 1e3, 1),
         "p99_rejection_ms": round(p99_rejected * 1e3, 1),
         "p99_accepted_ms": round(p99_accepted * 1e3, 1),
         "recovered_request_ms": round(recovered * 1e3, 1),
@@ -131,25 +159,23 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
     (SUMMARY / "overload.json").write_text(json.dumps(summary, indent=1))
 
 
-def side_by_side(urls: list[str], pngs: list[bytes], rounds: int, slice_seconds: float) -> list[list[float]]:
-    """Each server's accepted latencies under the same closed load (3 clients), given in short slices
-    that alternate between the servers (order reversed every round): a neighbour's load falls on all
-    of them alike."""
-    latencies: list[list[float]] = [[] for _ in urls]
-    for r in range(rounds):
-        for i in range(len(urls)) if r % 2 == 0 else reversed(range(len(urls))):
-            results = hammer(urls[i], pngs, clients=3, seconds=slice_seconds)
-            latencies[i] += [t for _, t, status, _ in results if status == 200]
-    return latencies
+def side_by_side(urls: list[str], pngs: list[bytes], seconds: float) -> list[list[float]]:
+    """Each server's accepted latencies under the same closed load (3 clients each), given to all of
+    them at once for ``seconds``: whatever a neighbour does, it does to all of them at the same
+    moments."""
+    with ThreadPoolExecutor(len(urls)) as pool:
+        runs = [pool.submit(hammer, url, pngs, 3, seconds) for url in urls]
+        return [[t for _, t, status, _ in run.result() if status == 200] for run in runs]
 
 
 def test_soak_holds_memory_and_latency(tmp_path, request) -> None:
     """A bounded load for ``--soak-seconds``: no errors and no memory growth; then the soaked server
-    against a fresh one started beside it, in alternating slices of the same load: its p90 latency
-    within 1.5× the fresh one's + 50 ms. A drift — a leak, a growing structure, a slower path — shows
-    as the soaked process being slower than a new one at the same moments, which a neighbour's load,
-    falling on both, does not fake (the p99 of the soak's last third against its first did, on a
-    shared machine)."""
+    against a fresh one started beside it, both under the same load at the same time: its p90
+    latency within 1.5× the fresh one's + 50 ms. A drift — a leak, a growing structure, a slower path
+    — shows as the soaked process being slower than a new one at the same moments, which a
+    neighbour's load, falling on both, does not fake (the p99 of the soak's last third against its
+    first did, on a shared machine; so did slices of load alternating between the two servers, when
+    the neighbour's load came in bursts)."""
     seconds = request.config.getoption("--soak-seconds")
     pngs = images(96, count=6)
     with run_server(tmp_path) as server:
@@ -167,7 +193,7 @@ def test_soak_holds_memory_and_latency(tmp_path, request) -> None:
         p99 = [float(np.quantile(part, 0.99)) for part in thirds]
         with run_server(tmp_path) as fresh:
             hammer(fresh.url, pngs, clients=3, seconds=5.0)  # the same warm-up
-            soaked_lat, fresh_lat = side_by_side([server.url, fresh.url], pngs, rounds=6, slice_seconds=2.0)
+            soaked_lat, fresh_lat = side_by_side([server.url, fresh.url], pngs, seconds=15.0)
         p90 = [float(np.quantile(lat, 0.9)) for lat in (soaked_lat, fresh_lat)]
         assert p90[0] <= 1.5 * p90[1] + 0.05, p90  # no drift
     summary = {

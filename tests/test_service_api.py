@@ -92,9 +92,9 @@ def test_metrics_pass_promtool(client: TestClient) -> None:
 def test_openapi_documents_every_parameter_and_error(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     expected = {
-        "/denoise": {"image", "sigma", "model", "max_iter", "tol"},
-        "/inpaint": {"image", "mask", "model", "max_iter", "tol"},
-        "/segment": {"image", "threshold", "output", "model", "max_iter", "tol"},
+        "/denoise": {"image", "sigma", "model", "max_iter", "tol", "history"},
+        "/inpaint": {"image", "mask", "model", "max_iter", "tol", "history"},
+        "/segment": {"image", "threshold", "output", "model", "max_iter", "tol", "history"},
     }
     schemas = spec["components"]["schemas"]
     for path, fields in expected.items():
@@ -473,3 +473,46 @@ def test_png_bytes_are_valid_for_every_output_mode(client: TestClient) -> None:
         r = client.post("/denoise", files={"image": encode(arr)}, data={"sigma": "5"})
         im = Image.open(io.BytesIO(r.content))
         assert im.format == "PNG" and im.size == (24, 20)
+
+
+# --- the solve's history and the samples -------------------------------------------------------
+
+
+def test_history_is_returned_on_request_one_residual_per_iteration(client: TestClient) -> None:
+    png, _ = grey_png()
+    for route, files in (
+        ("/denoise", {"image": ("a.png", png, "image/png")}),
+        ("/inpaint", {"image": ("a.png", png, "image/png"), "mask": ("m.png", png, "image/png")}),
+    ):
+        asked = client.post(
+            route, files=files, data={"history": "true"}, headers={"Accept": "application/json"}
+        )
+        assert asked.status_code == 200, asked.text
+        solver = asked.json()["solver"]
+        assert len(solver["history"]) == solver["iterations"] >= 1, route
+        assert all(v > 0 for v in solver["history"])
+        # CG (the inpainter's) reports its answer's true residual, recomputed: equal to rounding
+        assert min(solver["history"]) == pytest.approx(solver["residual"], rel=1e-3), route
+        plain = client.post(route, files=files, headers={"Accept": "application/json"})
+        assert plain.json()["solver"]["history"] is None
+        assert plain.json()["solver"]["iterations"] == solver["iterations"]  # the same solve
+        as_png = client.post(route, files=files, data={"history": "true"})
+        assert as_png.status_code == 200 and as_png.headers["content-type"] == "image/png"
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_each_tasks_sample_is_a_png_its_route_solves(client: TestClient, task: str) -> None:
+    r = client.get(f"/samples/{task}")
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    image = Image.open(io.BytesIO(r.content))
+    assert image.format == "PNG" and min(image.size) >= 64
+    # the deblurrer is told the blur the sample was made with (kdeq.samples.sample_images)
+    data = {"psf": "gaussian:1.6"} if task == "deblur" else {}
+    solved = client.post(TASKS[task].route, files={"image": ("s.png", r.content, "image/png")}, data=data)
+    assert solved.status_code == 200, solved.text
+    assert client.get(f"/samples/{task}").content == r.content  # made once, the same each time
+
+
+def test_a_sample_of_no_task_is_a_404(client: TestClient) -> None:
+    body = assert_error(client.get("/samples/sharpen"), 404, "not_found")
+    assert "denoise" in body["detail"]

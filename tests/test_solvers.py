@@ -285,3 +285,52 @@ def test_cg_reaches_its_tolerance_in_float32_far_past_float32s_floor_for_the_ite
     z, stats, _ = solvers.linear_cg(lambda p: p + p @ a32, -t32, t32, SolverConfig(method="cg", tol=1e-4))
     assert stats.converged.all() and float(stats.residual) <= 1e-4
     assert torch.allclose(z.double(), exact, atol=1e-5)
+
+
+def test_the_history_is_the_residual_of_each_plain_iterate_until_each_sample_stops() -> None:
+    """``history=True`` against the residuals of ``z_k = f(z_{k−1})`` computed here: equal at every
+    step a sample is still iterating, NaN after; without it, no history."""
+    f, _ = _diagonal_affine(torch.tensor([0.1, 0.5, -0.8], dtype=F64))
+    cfg = SolverConfig(method="fixed_point", tol=1e-9, max_iter=500, damping=1.0)
+    _, plain = solve(f, torch.zeros(3, 50, dtype=F64), cfg)
+    assert plain.history is None
+    _, stats = solve(f, torch.zeros(3, 50, dtype=F64), cfg.model_copy(update={"history": True}))
+    steps = stats.history.shape[1]
+    assert stats.history.shape == (3, int(stats.iterations.max()))
+    z, expected = torch.zeros(3, 50, dtype=F64), []
+    for _ in range(steps):
+        z = f(z)
+        expected.append(_rel(f, z))
+    expected = torch.stack(expected, dim=1)
+    for b in range(3):
+        n = int(stats.iterations[b])
+        torch.testing.assert_close(stats.history[b, :n], expected[b, :n], rtol=1e-12, atol=0)
+        assert bool(stats.history[b, n:].isnan().all())
+        assert stats.history[b, n - 1] == stats.residual[b] <= cfg.tol
+    assert "history" not in cfg.model_copy(update={"history": True}).model_dump()  # never saved
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_solver_records_one_residual_per_iteration(method: str) -> None:
+    f, _ = _diagonal_affine(torch.tensor([0.1, 0.5, -0.8], dtype=F64))
+    cfg = SolverConfig(method=method, tol=1e-9, max_iter=500, damping=1.0, history=True)
+    _, stats = solve(f, torch.zeros(3, 50, dtype=F64), cfg)
+    for b in range(3):
+        recorded = stats.history[b][~stats.history[b].isnan()]
+        assert len(recorded) == int(stats.iterations[b]) and bool((recorded > 0).all())
+        if method != "cg":  # CG reports the true residual of its answer, recomputed at the end
+            assert recorded.min() == stats.residual[b]  # the returned iterate is the best recorded one
+
+
+def test_chained_solves_join_their_histories_and_sum_their_steps() -> None:
+    f, _ = _diagonal_affine(torch.tensor([0.1, 0.5], dtype=F64))
+    cfg = SolverConfig(method="anderson", tol=1e-9, max_iter=500, history=True)
+    z, first = solve(f, torch.zeros(2, 50, dtype=F64), cfg)
+    _, second = solve(f, z + 1.0, cfg)
+    both = solvers.chained([first, second])
+    assert torch.equal(both.iterations, first.iterations + second.iterations)
+    assert torch.equal(both.residual, torch.maximum(first.residual, second.residual))
+    joined = torch.cat([first.history, second.history], dim=1)
+    torch.testing.assert_close(both.history, joined, equal_nan=True)
+    plain = solve(f, z, cfg.model_copy(update={"history": False}))[1]
+    assert solvers.chained([first, plain]).history is None

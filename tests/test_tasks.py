@@ -94,6 +94,7 @@ def test_the_openapi_document_declares_each_tasks_fields(client) -> None:
             "model",
             "max_iter",
             "tol",
+            "history",
         }
         assert set(props) == names
 

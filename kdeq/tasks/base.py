@@ -16,6 +16,7 @@ caller that is not torch-aware (the service's decoder threads) can build it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
@@ -119,6 +120,8 @@ class Solved:
         lam: ``λ`` used.
         fields: the task's ``ResultField`` values (``None`` where not applicable).
         finite: whether the model's continuous output (``Prediction.output``) is finite everywhere.
+        history: the relative residual at each step, when the request asked for it and its solver
+            records one (``SolverStats.history``); else ``None``.
     """
 
     output: np.ndarray
@@ -128,6 +131,7 @@ class Solved:
     lam: float
     fields: Mapping[str, float | None]
     finite: bool
+    history: list[float] | None = None
 
 
 class Task:
@@ -137,6 +141,7 @@ class Task:
         name: the task's name (a checkpoint's ``task``, the route ``/name``, the subcommand).
         family: the exponential family of its models (``kdeq.families``).
         summary: one line saying what it does.
+        sample: the name of the generated image (``kdeq.samples.sample_images``) to try it on.
         predictor: the ``Predictor`` subclass its checkpoints load as.
         options: its ``Options`` model.
         files: its other image inputs.
@@ -152,6 +157,7 @@ class Task:
     name: ClassVar[str]
     family: ClassVar[str] = "gaussian"
     summary: ClassVar[str]
+    sample: ClassVar[str] = "photo"
     predictor: ClassVar[type[Predictor]]
     options: ClassVar[type[Options]] = Options
     files: ClassVar[tuple[FileInput, ...]] = ()
@@ -352,6 +358,9 @@ def solve_batch(task: Task, predictor: Predictor, requests: Sequence[Request]) -
         stats.converged.tolist(),
     )
     lam = prediction.lam.reshape(-1).expand(len(requests)).tolist()
+    history = None
+    if stats.history is not None:  # each sample's steps, those after it stopped (NaN) left out
+        history = [[v for v in row if not math.isnan(v)] for row in stats.history.tolist()]
     solved = []
     for b, request in enumerate(requests):
         out, values = task.result(prediction, b, request)
@@ -367,6 +376,7 @@ def solve_batch(task: Task, predictor: Predictor, requests: Sequence[Request]) -
                 lam[b],
                 {f.name: values.get(f.name) for f in task.fields},
                 finite,
+                None if history is None else history[b],
             )
         )
     return solved

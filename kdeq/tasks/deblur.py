@@ -61,7 +61,7 @@ from kdeq.operators import Blur, KernelMap, solve_observed
 from kdeq.pnp import noise_schedule, plug_and_play
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.psf import MAX_PSF_SIDE, check_psf, parse_psf
-from kdeq.solvers import SolverConfig, SolverStats
+from kdeq.solvers import SolverConfig, SolverStats, chained
 from kdeq.tasks import register_task
 from kdeq.tasks.base import (
     FileInput,
@@ -128,9 +128,9 @@ class Deblurrer(Predictor):
             beta = self.tensors["net_mean_mix"]
             mean = beta * learned + (1 - beta) * mean
         f, stats = solve_observed(blur, GuidedMap(op, torch.ones_like(lam)), x, lam, mean, cfg)
-        stats = SolverStats(
-            stats.iterations + first.iterations, stats.residual, stats.converged & first.converged
-        )
+        # the answer's residual is the second solve's; the steps are both solves'
+        joined = chained([first, stats])
+        stats = SolverStats(joined.iterations, stats.residual, joined.converged, joined.history)
         return Prediction(f, stats, lam, sigma=s * 255.0, pilot=f0 if learned is None else learned)
 
     def _plug_and_play(
@@ -224,6 +224,7 @@ class Deblur(Task):
 
     name = "deblur"
     summary = "Remove a known blur from an image"
+    sample = "blurred"
     predictor = Deblurrer
     options = DeblurOptions
     files = (

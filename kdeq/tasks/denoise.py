@@ -25,6 +25,7 @@ class Denoise(Task):
 
     name = "denoise"
     summary = "Remove noise from an image"
+    sample = "noisy"
     predictor = Denoiser
     options = DenoiseOptions
     fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)

@@ -23,6 +23,7 @@ class Inpaint(Task):
 
     name = "inpaint"
     summary = "Fill missing pixels"
+    sample = "holey"
     predictor = Inpainter
     files = (
         FileInput(

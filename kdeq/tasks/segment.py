@@ -37,6 +37,7 @@ class Segment(Task):
     name = "segment"
     family = "bernoulli"
     summary = "Binary foreground mask"
+    sample = "scan"
     predictor = Segmenter
     options = SegmentOptions
     fields = (ResultField("threshold", "threshold used, in [0, 1]", ".4f"),)

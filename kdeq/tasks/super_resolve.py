@@ -112,6 +112,7 @@ class SuperResolve(Task):
 
     name = "super-resolve"
     summary = "Enlarge an image 2, 3 or 4 times"
+    sample = "small"
     predictor = SuperResolver
     options = SuperResolveOptions
     network = "scale"

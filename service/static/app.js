@@ -272,6 +272,7 @@ function showPainting() {
 
 function updateRun() {
   $("run").disabled = !state.file || !block();
+  $("sample").disabled = !block();
 }
 
 // --- generic controls, from an option's JSON schema ----------------------------------------------
@@ -466,7 +467,7 @@ function psfWidget(t, spec) {
 
 function clearResult() {
   state.last = null;
-  for (const id of ["compare", "stats", "download", "actual-size-box"]) $(id).hidden = true;
+  for (const id of ["compare", "stats", "history", "download", "actual-size-box"]) $(id).hidden = true;
   $("result-img").removeAttribute("src");
   $("result-size").textContent = "";
 }
@@ -571,6 +572,7 @@ async function buildForm(b) {
   form.append("image", state.file, state.file.name);
   if ($("model").value) form.append("model", $("model").value);
   for (const control of b.controls) await control.append(form);
+  form.append("history", "true");  // the residual at each iteration, for the plot
   return form;
 }
 
@@ -653,10 +655,67 @@ function showResult(body, headers, elapsedMs, request) {
     `${Math.round(elapsedMs)} ms in the browser (server: ${Math.round(body.timings.total_seconds * 1000)} ms, ` +
     `solve ${Math.round(body.timings.inference_seconds * 1000)} ms)`;
   $("stats").hidden = false;
+  showHistory(body.solver.history);
   const link = $("download");
   link.href = url;
   link.download = `kdeq-${request.task.name}-${request.file.name.replace(/\.[^.]*$/, "")}.png`;
   link.hidden = false;
+}
+
+const SVG = "http://www.w3.org/2000/svg";
+
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function showHistory(history) {
+  // log10 of the relative residual against the iteration, scaled to the plot; hidden when the server
+  // sent none (an image solved in tiles, a solver that records none) or a value was not finite
+  const plot = $("history-plot");
+  plot.replaceChildren();
+  const values = (history || []).filter((v) => v !== null && v > 0);
+  $("history").hidden = values.length === 0;
+  if (!values.length) return;
+  const [w, h, left, bottom, top] = [400, 160, 52, 22, 8];
+  const logs = values.map(Math.log10);
+  let lo = Math.floor(Math.min(...logs));
+  let hi = Math.ceil(Math.max(...logs));
+  if (hi === lo) { lo -= 1; hi += 1; }
+  const x = (i) => left + (values.length === 1 ? 0 : (i / (values.length - 1)) * (w - left - 8));
+  const y = (v) => top + ((hi - v) / (hi - lo)) * (h - top - bottom);
+  plot.append(svg("line", { x1: left, y1: top, x2: left, y2: h - bottom, class: "axis" }));
+  plot.append(svg("line", { x1: left, y1: h - bottom, x2: w - 8, y2: h - bottom, class: "axis" }));
+  for (const v of [hi, lo]) {
+    plot.append(svg("text", { x: left - 4, y: y(v) + 4, "text-anchor": "end", class: "tick" }, `1e${v}`));
+  }
+  plot.append(svg("text", { x: left, y: h - 6, class: "tick" }, "1"));
+  plot.append(svg("text", { x: w - 8, y: h - 6, "text-anchor": "end", class: "tick" }, `${values.length}`));
+  const points = logs.map((v, i) => `${x(i).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
+  plot.append(svg("polyline", { points, class: "residual" }));
+  for (const [i, v] of logs.entries()) {
+    plot.append(svg("circle", { cx: x(i).toFixed(1), cy: y(v).toFixed(1), r: 2.5, class: "step" }));
+  }
+}
+
+async function trySample() {
+  // the server's generated image for the task (GET /samples/TASK), as if it had been chosen
+  const b = block();
+  if (!b) return;
+  showError("");
+  try {
+    const response = await fetch(`/samples/${encodeURIComponent(b.task.name)}`);
+    if (!response.ok) {
+      showError(await describeError(response));
+      return;
+    }
+    const blob = await response.blob();
+    setFile(new File([blob], `sample-${b.task.name}.png`, { type: "image/png" }));
+  } catch (err) {
+    showError(`The sample could not be loaded: ${err.message}`);
+  }
 }
 
 function showActualSize() {
@@ -698,6 +757,7 @@ function setup() {
   $("compare-before").addEventListener("load", updateCompare);
   window.addEventListener("resize", updateCompare);
   $("form").addEventListener("submit", run);
+  $("sample").addEventListener("click", trySample);
   setupPainting();
   loadTasks();
   refreshStatus();
