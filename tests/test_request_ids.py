@@ -145,7 +145,7 @@ def _lines(server: Server) -> list[dict]:
 
 
 def _access(server: Server, rid: str) -> dict:
-    for _ in range(50):  # the line is written as the response ends: a moment after the client has it
+    for _ in range(300):  # the line is written as the response ends: a moment after the client has it
         found = [e for e in _lines(server) if e["logger"] == "kdeq.access" and e["request_id"] == rid]
         if found:
             assert len(found) == 1, found
