@@ -232,8 +232,8 @@ def _run_remote(args: argparse.Namespace) -> int:
             extra = "".join(f", {k} {v:.4g}" for k, v in result.fields.items() if v is not None)
             print(
                 f"{f'{job.source}: ' if several else ''}{result.model}: iterations {result.iterations}, "
-                f"residual {result.residual:.2e}, converged {result.converged}{extra}, "
-                f"{result.timings.get('total', 0.0) * 1e3:.0f} ms on the service",
+                f"residual {result.residual:.2e}, converged {result.converged}, lambda {result.lam:.4g}"
+                f"{extra}, {result.timings.get('total', 0.0) * 1e3:.0f} ms on the service",
                 flush=True,
             )
             converged += result.converged

@@ -205,6 +205,7 @@ class Result:
         model: the model that answered, ``NAME:VERSION``.
         iterations, residual, converged: the fixed-point solve's statistics (the relative residual is
             ``inf`` or ``nan`` where the solve diverged; the best iterate is returned all the same).
+        lam: ``λ``, the regulariser the solve used.
         fields: the task's result values by name (``Task.fields``: denoise's and deblur's ``sigma``,
             segment's ``threshold``), ``None`` where the service sent none.
         batch_size: the requests solved together with this one.
@@ -220,6 +221,7 @@ class Result:
     iterations: int
     residual: float
     converged: bool
+    lam: float
     fields: Mapping[str, float | None]
     batch_size: int
     timings: Mapping[str, float]
@@ -258,6 +260,7 @@ def _result(task: Task, response: httpx.Response, sent_id: str) -> Result:
             iterations=int(headers["x-kdeq-iterations"]),
             residual=float(headers["x-kdeq-residual"]),
             converged=headers["x-kdeq-converged"] == "true",
+            lam=float(headers["x-kdeq-lambda"]),
             fields={f.name: float(headers[f.header]) if f.header in headers else None for f in task.fields},
             batch_size=int(headers["x-kdeq-batch-size"]),
             timings=_timings(headers.get("server-timing", "")),

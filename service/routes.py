@@ -129,6 +129,10 @@ def _responses(task: Task, result: type[Result]) -> dict:
                     "description": "`true` or `false` (the best iterate is returned)",
                     "schema": {"type": "string"},
                 },
+                "X-KDEQ-Lambda": {
+                    "description": "λ, the regulariser the solve used (as `lam` in the JSON body)",
+                    "schema": {"type": "string"},
+                },
                 **fields,
                 "X-KDEQ-Batch-Size": {
                     "description": "requests solved together with this one",
@@ -321,6 +325,7 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             "X-KDEQ-Iterations": str(solved.iterations),
             "X-KDEQ-Residual": f"{solved.residual:.3e}",
             "X-KDEQ-Converged": "true" if solved.converged else "false",
+            "X-KDEQ-Lambda": f"{solved.lam:.6e}",
             "X-KDEQ-Batch-Size": str(job.batch_size),
             "Server-Timing": ", ".join(
                 f"{k.removesuffix('_seconds')};dur={v * 1e3:.1f}" for k, v in timings.model_dump().items()

@@ -187,6 +187,7 @@ def test_each_task_answers_as_the_raw_http_request_does(server, cases, answers, 
     assert result.iterations == int(headers["x-kdeq-iterations"]) >= 1
     assert result.residual == float(headers["x-kdeq-residual"])
     assert result.converged == (headers["x-kdeq-converged"] == "true")
+    assert result.lam == float(headers["x-kdeq-lambda"]) > 0
     assert result.batch_size >= 1
     assert dict(result.fields) == {
         f.name: float(headers[f.header]) if f.header in headers else None for f in task.fields
@@ -221,11 +222,12 @@ def test_the_async_client_answers_as_the_sync_one(server, cases, answers) -> Non
     for name, got in zip(cases, results, strict=True):
         want = answers[name]
         assert np.array_equal(got.image, want.image), name
-        assert (got.model, got.iterations, got.residual, got.converged, dict(got.fields)) == (
+        assert (got.model, got.iterations, got.residual, got.converged, got.lam, dict(got.fields)) == (
             want.model,
             want.iterations,
             want.residual,
             want.converged,
+            want.lam,
             dict(want.fields),
         )
     assert (error.status, error.code) == (422, "unprocessable") and "sigma" in error.detail

@@ -516,3 +516,17 @@ def test_each_tasks_sample_is_a_png_its_route_solves(client: TestClient, task: s
 def test_a_sample_of_no_task_is_a_404(client: TestClient) -> None:
     body = assert_error(client.get("/samples/sharpen"), 404, "not_found")
     assert "denoise" in body["detail"]
+
+
+def test_lambda_is_in_a_header_as_in_the_json_body(client: TestClient) -> None:
+    png, _ = grey_png()
+    as_png = client.post("/denoise", files={"image": ("a.png", png, "image/png")}, data={"sigma": "20"})
+    as_json = client.post(
+        "/denoise",
+        files={"image": ("a.png", png, "image/png")},
+        data={"sigma": "20"},
+        headers={"Accept": "application/json"},
+    )
+    lam = float(as_png.headers["x-kdeq-lambda"])
+    assert lam > 0 and lam == pytest.approx(as_json.json()["lam"], rel=1e-6)
+    assert float(as_json.headers["x-kdeq-lambda"]) == lam
