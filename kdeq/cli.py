@@ -43,7 +43,7 @@ from pydantic.fields import FieldInfo
 
 from kdeq import batchrun
 from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
-from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError
+from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError, Result
 from kdeq.families import Gaussian
 from kdeq.imageio import write_png
 from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, compose_checkpoint, init_checkpoint
@@ -54,7 +54,7 @@ from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
 from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
-from kdeq.tasks import TASKS, Task
+from kdeq.tasks import TASKS, Solved, Task
 from kdeq.tiling import TILE_SIZE
 from kdeq.train import calibrate, init_compare
 from kdeq.train import cli as train_cli
@@ -149,6 +149,17 @@ def add_task_command_arguments(
     add_task_arguments(parser, task)
 
 
+def _solve_line(source: Path | None, model: str, result: Solved | Result, timing: str) -> str:
+    """The line ``kdeq TASK`` and ``kdeq remote TASK`` print per image: its source (with several),
+    the model, the solver's statistics, λ, the task's result fields, and ``timing``."""
+    extra = "".join(f", {k} {v:.4g}" for k, v in result.fields.items() if v is not None)
+    return (
+        f"{f'{source}: ' if source is not None else ''}{model}: iterations {result.iterations}, "
+        f"residual {result.residual:.2e}, converged {result.converged}, lambda {result.lam:.4g}"
+        f"{extra}, {timing}"
+    )
+
+
 def _run_model(args: argparse.Namespace) -> int:
     task = TASKS[args.command]
     root = Path(args.models_dir)
@@ -177,13 +188,8 @@ def _run_model(args: argparse.Namespace) -> int:
             progress.clear()
         for job, result in zip(batch, solved, strict=True):
             write_png(job.out, torch.from_numpy(result.output))
-            extra = "".join(f", {k} {v:.4g}" for k, v in result.fields.items() if v is not None)
-            print(
-                f"{f'{job.source}: ' if several else ''}{predictor.name}: iterations {result.iterations}, "
-                f"residual {result.residual:.2e}, converged {result.converged}, lambda {result.lam:.4g}"
-                f"{extra}, {seconds / len(batch) * 1e3:.0f} ms",
-                flush=True,
-            )
+            where = f"{seconds / len(batch) * 1e3:.0f} ms"
+            print(_solve_line(job.source if several else None, predictor.name, result, where), flush=True)
             converged += result.converged
             count += 1
         if progress is not None:
@@ -229,13 +235,8 @@ def _run_remote(args: argparse.Namespace) -> int:
                 **files,
             )
             _write_local(job.out, result.image)
-            extra = "".join(f", {k} {v:.4g}" for k, v in result.fields.items() if v is not None)
-            print(
-                f"{f'{job.source}: ' if several else ''}{result.model}: iterations {result.iterations}, "
-                f"residual {result.residual:.2e}, converged {result.converged}, lambda {result.lam:.4g}"
-                f"{extra}, {result.timings.get('total', 0.0) * 1e3:.0f} ms on the service",
-                flush=True,
-            )
+            where = f"{result.timings.get('total', 0.0) * 1e3:.0f} ms on the service"
+            print(_solve_line(job.source if several else None, result.model, result, where), flush=True)
             converged += result.converged
     if several:
         elapsed = time.perf_counter() - start
