@@ -11,10 +11,12 @@ anything else (the request's own fault, handled by the engine).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import gc
 import logging
+from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import torch
@@ -91,6 +93,17 @@ def select_device(device: str) -> None:
     tensors, streams and cuBLAS/cuDNN handles the thread creates belong to it."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+
+
+@contextlib.contextmanager
+def on_device(device: str) -> Iterator[None]:
+    """Within: ``device`` is the calling thread's current CUDA device (nothing for the CPU); the
+    previous one is restored after, so that a shared thread (a load at run time) leaves no trace."""
+    if not device.startswith("cuda"):
+        yield
+        return
+    with torch.cuda.device(torch.device(device)):
+        yield
 
 
 def trim_heap() -> None:

@@ -2,9 +2,12 @@
 
 Requests become ``Job``s. ``Engine.infer`` admits a job or refuses it at once
 (queue full, not accepting), then awaits its result until the job's deadline.
-Each worker thread takes the oldest job and gathers the queued jobs with the
-same ``batch_key`` (same model, image shape and batch-wide options) up to
-``max_batch_size`` jobs and ``max_batch_pixels`` pixels. It waits up to
+Each worker thread takes the oldest job of the model served least recently
+(round robin over the models with queued jobs, so that a slow model's backlog
+delays another model's request by at most one batch, not by the whole backlog)
+and gathers the queued jobs with the same ``batch_key`` (same model, image shape
+and batch-wide options) up to ``max_batch_size`` jobs and ``max_batch_pixels``
+pixels. It waits up to
 ``batch_wait_seconds`` for more only while other requests are still being
 decoded (``incoming``), since otherwise nothing can join. Blocking torch work
 runs only on the workers, never on the event loop.
@@ -61,7 +64,9 @@ class Ticket:
 
 @dataclass(eq=False)
 class Job:
-    """One request's work: ``payload`` for the batch runner, compatible jobs share ``batch_key``."""
+    """One request's work: ``payload`` for the batch runner, compatible jobs share ``batch_key``;
+    ``target`` is what the runner solves it with (the service: the model it was admitted with, which a
+    model loaded meanwhile does not change)."""
 
     endpoint: str
     model: str
@@ -69,6 +74,7 @@ class Job:
     payload: Any
     pixels: int
     deadline: float
+    target: Any = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
     future: asyncio.Future = field(init=False)
     enqueued_at: float = field(init=False, default=0.0)
@@ -121,6 +127,9 @@ class Engine:
         self.failures: dict[str, str] = {}
         self.batch_limit = max_batch_size
         self._streak = 0
+        # when each model's last batch was taken (a counter, not a clock: ties cannot happen)
+        self._served: dict[str, int] = {}
+        self._turn = 0
         metrics.batch_limit.set(max_batch_size)
 
     def start(self, devices: Sequence[str], prepare: Prepare | None = None) -> None:
@@ -251,7 +260,8 @@ class Engine:
                 if self._stopping:
                     return None
                 self._cond.wait()
-            first = self._queue.popleft()
+            first = self._next()
+            self._queue.remove(first)
             batch, pixels = [first], first.pixels
             wait_until = time.monotonic() + self.batch_wait
             limit = self.batch_limit
@@ -269,6 +279,17 @@ class Engine:
             self.metrics.queue_depth.set(len(self._queue))
             return batch
 
+    def _next(self) -> Job:
+        """The oldest queued job of the model whose last batch was taken longest ago (never served
+        first); called with the lock held and the queue not empty."""
+        oldest: dict[str, Job] = {}
+        for job in self._queue:
+            oldest.setdefault(job.model, job)
+        model = min(oldest, key=lambda m: self._served.get(m, -1))
+        self._turn += 1
+        self._served[model] = self._turn
+        return oldest[model]
+
     def _work(self, device: str, prepare: Prepare | None, prepared: threading.Event) -> None:
         try:
             if prepare is not None:
@@ -276,7 +297,7 @@ class Engine:
         except Exception as err:  # a worker that cannot ready its device cannot serve on it
             log.exception("worker %s could not prepare its device", device)
             failure = err if isinstance(err, DeviceFailedError) else DeviceFailedError(device, str(err))
-            self._retire(device, failure)
+            self.retire(device, failure)
             return
         finally:
             prepared.set()
@@ -293,10 +314,10 @@ class Engine:
                 _send(job, outcome)
             failed = next((o for o in outcomes if isinstance(o, DeviceFailedError)), None)
             if failed is not None:
-                self._retire(device, failed)
+                self.retire(device, failed)
                 return
 
-    def _retire(self, device: str, failure: DeviceFailedError) -> None:
+    def retire(self, device: str, failure: DeviceFailedError) -> None:
         """Take ``device`` out of service: record why, refuse new requests and fail every queued
         one (nothing can be solved on it any more, and the process is about to exit)."""
         log.critical("device %s failed: %s; it takes no more batches", device, failure.reason)

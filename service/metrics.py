@@ -210,6 +210,21 @@ class Metrics:
         self.model_ready = Gauge(
             "kdeq_model_ready", "1 when the model is loaded and warm", ["model"], registry=r
         )
+        self.model_loads = Counter(
+            "kdeq_model_loads", "run-time loads that swapped a version in", ["model"], registry=r
+        )
+        self.model_load_failures = Counter(
+            "kdeq_model_load_failures",
+            "run-time loads that failed (the version serving was kept)",
+            ["model"],
+            registry=r,
+        )
+        self.model_version = Gauge(
+            "kdeq_model_serving_version",
+            "the version of the model serving requests (0: none)",
+            ["model"],
+            registry=r,
+        )
         self.build = Info("kdeq_build", "service version, torch version and devices", registry=r)
         self.build.info(
             {

@@ -29,8 +29,10 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-# the API key guards these; health, readiness and metrics stay open for probes and scrapers
+# the API key guards these and every route under /models/; health, readiness and metrics stay open
+# for probes and scrapers
 PROTECTED_ROUTES = INFERENCE_ROUTES | {"/models", "/tasks"}
+MODEL_ROUTE = re.compile(r"^/models/[^/]+(/load|/unload|/ready)?$")
 ROUTES = INFERENCE_ROUTES | {
     "/models",
     "/tasks",
@@ -47,7 +49,15 @@ ROUTES = INFERENCE_ROUTES | {
 def endpoint_label(scope: Scope) -> str:
     """The route as a bounded metric label: a known path, else ``other``."""
     path = scope.get("path", "")
-    return path if path in ROUTES else "other"
+    if path in ROUTES:
+        return path
+    model = MODEL_ROUTE.match(path)
+    return "/models/{name}" + (model.group(1) or "") if model else "other"
+
+
+def protected(path: str) -> bool:
+    """Whether the API key guards ``path``."""
+    return path in PROTECTED_ROUTES or path.startswith("/models/")
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -248,7 +258,7 @@ class RequestMetrics:
 
 
 class ApiKey:
-    """When a key is configured, ``PROTECTED_ROUTES`` need ``Authorization: Bearer KEY`` or
+    """When a key is configured, the ``protected`` routes need ``Authorization: Bearer KEY`` or
     ``X-API-Key: KEY`` (compared in constant time); other routes stay open."""
 
     def __init__(self, app: ASGIApp, key: str | None) -> None:
@@ -256,7 +266,7 @@ class ApiKey:
         self.key = key.encode() if key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.key is not None and scope.get("path") in PROTECTED_ROUTES:
+        if scope["type"] == "http" and self.key is not None and protected(scope.get("path", "")):
             supplied = _header(scope, b"x-api-key")
             auth = _header(scope, b"authorization")
             if supplied is None and auth is not None:

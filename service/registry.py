@@ -5,6 +5,11 @@ error (``GET /models``, ``kdeq_model_ready{model}=0``, a log line naming the
 file and the reason); the others are served. Models load on the loader thread
 (``load``) and warm up on each device's inference worker (``warm``), the
 thread that serves them.
+
+At run time (``load_model``, ``unload_model``) a model is loaded and warmed on
+every device beside the version serving, then swapped in: ``slots`` is replaced
+by a new mapping, never changed in place, so a reader sees the old or the new
+one whole; a request holds the slot it was admitted with until it is answered.
 """
 
 from __future__ import annotations
@@ -19,13 +24,13 @@ from kdeq.checkpoint import CheckpointError, ModelConfig, read_config
 from kdeq.predictor import Predictor
 from kdeq.repository import NAME, VERSION, find_model, list_models, load_predictor
 from kdeq.tasks import TASKS, solve_batch
-from service.devices import classify
+from service.devices import classify, on_device
 from service.errors import ApiError, DeviceFailedError
 
 log = logging.getLogger("kdeq.service")
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: a reloaded version is another slot
 class ModelSlot:
     """One configured model (``NAME:VERSION``) and its predictors, one per device."""
 
@@ -36,6 +41,10 @@ class ModelSlot:
     predictors: dict[str, Predictor] = field(default_factory=dict)
     ready: bool = False
     load_seconds: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.id.partition(":")[0]
 
     @property
     def task(self) -> str | None:
@@ -60,6 +69,7 @@ class ModelRegistry:
         self.root = root
         self.slots: dict[str, ModelSlot] = {}
         self._lock = threading.Lock()  # workers warming up on several devices may fail a model at once
+        self._control = threading.Lock()  # one run-time load or unload at a time
         if not names:
             latest: dict[str, int] = {}
             for entry in list_models(root):
@@ -113,15 +123,12 @@ class ModelRegistry:
             predictor = slot.predictors.get(device)
             if not slot.ready or predictor is None:
                 continue
-            task = TASKS[predictor.task]
-            for size in sizes:
-                try:
-                    solve_batch(task, predictor, [task.warmup(size)])
-                except Exception as err:
-                    if classify(err) == "device":
-                        raise DeviceFailedError(device, str(err)) from None
-                    self._fail(slot, f"{slot.path}: warm-up at {size}×{size} on {device} failed: {err}")
-                    break
+            try:
+                _warm(predictor, device, sizes)
+            except DeviceFailedError:
+                raise
+            except Exception as err:
+                self._fail(slot, f"{slot.path}: {err}")
 
     def _fail(self, slot: ModelSlot, error: str) -> None:
         with self._lock:
@@ -161,3 +168,89 @@ class ModelRegistry:
             return max(matches, key=lambda m: m[0])[1]
         loaded = ", ".join(s.id for s in candidates) or "none"
         raise ApiError(404, "no_model", f"no {task} model {requested!r} is loaded (loaded: {loaded})")
+
+    def named(self, name: str) -> list[ModelSlot]:
+        """The slots of model ``name`` (any version, ready or not), in the configured order."""
+        return [slot for slot in self.slots.values() if slot.name == name]
+
+    def versions(self, name: str) -> list[int]:
+        """The versions of ``name`` in the repository, ascending."""
+        return [entry.version for entry in list_models(self.root) if entry.name == name]
+
+    def load_model(
+        self, name: str, version: int | None, devices: list[str], sizes: tuple[int, ...]
+    ) -> tuple[ModelSlot, list[ModelSlot]]:
+        """Load ``name`` at ``version`` (default the highest in the repository) onto every device,
+        warm it at each of ``sizes`` there, then make it the one version of ``name`` served, in the
+        place of the versions serving (or last, for a model not served); the new slot and the slots
+        it replaced. Raises ``ApiError`` 404 when the repository has no such version, 422
+        ``load_failed`` (the file and the reason) when it does not load or warm up, and
+        ``DeviceFailedError`` on a sticky device error; the versions serving are then untouched.
+        Blocks the caller."""
+        with self._control:
+            try:
+                path = find_model(self.root, name, version)
+            except LookupError as err:
+                raise ApiError(404, "no_model", str(err)) from None
+            slot = ModelSlot(f"{name}:{path.name}", path, None)
+            start = time.perf_counter()
+            try:
+                slot.config = read_config(path)
+                for device in devices:
+                    slot.predictors[device] = load_predictor(path, device)
+                    _warm(slot.predictors[device], device, sizes)
+            except Exception as err:
+                if isinstance(err, DeviceFailedError):
+                    raise
+                reason = str(err) if isinstance(err, CheckpointError) else f"{path}: {err}"
+                log.error(
+                    "model %s not loaded at run time (still serving %s): %s", slot.id, self._ids(name), reason
+                )
+                raise ApiError(422, "load_failed", reason) from None
+            slot.load_seconds = time.perf_counter() - start
+            slot.ready = True
+            replaced = self.named(name)
+            swapped: dict[str, ModelSlot] = {}
+            for key, old in self.slots.items():
+                if old.name != name:
+                    swapped[key] = old
+                elif slot.id not in swapped:
+                    swapped[slot.id] = slot
+            swapped.setdefault(slot.id, slot)
+            self.slots = swapped
+            log.info(
+                "model %s loaded on %s in %.2f s, serving in place of %s",
+                slot.id,
+                ",".join(devices),
+                slot.load_seconds,
+                ", ".join(s.id for s in replaced) or "nothing",
+            )
+            return slot, replaced
+
+    def unload_model(self, name: str) -> list[ModelSlot]:
+        """Stop serving every version of ``name``; the removed slots. ``ApiError`` 404 if none is
+        configured. Requests already admitted finish on the slot they hold."""
+        with self._control:
+            removed = self.named(name)
+            if not removed:
+                raise ApiError(404, "no_model", f"no model {name!r} is loaded")
+            self.slots = {key: slot for key, slot in self.slots.items() if slot.name != name}
+            log.info("model(s) %s unloaded", ", ".join(s.id for s in removed))
+            return removed
+
+    def _ids(self, name: str) -> str:
+        return ", ".join(s.id for s in self.named(name)) or "nothing"
+
+
+def _warm(predictor: Predictor, device: str, sizes: tuple[int, ...]) -> None:
+    """Solve one generated request at each of ``sizes`` with ``predictor`` on ``device``; a sticky
+    device error raises ``DeviceFailedError``, another failure ``RuntimeError`` naming the size."""
+    task = TASKS[predictor.task]
+    with on_device(device):
+        for size in sizes:
+            try:
+                solve_batch(task, predictor, [task.warmup(size)])
+            except Exception as err:
+                if classify(err) == "device":
+                    raise DeviceFailedError(device, str(err)) from None
+                raise RuntimeError(f"warm-up at {size}×{size} on {device} failed: {err}") from None

@@ -1,5 +1,6 @@
 """The HTTP routes: one inference route per registered task (``POST /<task>``, generated from
-``kdeq.tasks.TASKS``) and operations (``/tasks``, ``/models``, ``/healthz``, ``/readyz``, ``/metrics``).
+``kdeq.tasks.TASKS``) and operations (``/tasks``, ``/models``, ``/models/{name}`` with its ``load``,
+``unload`` and ``ready``, ``/healthz``, ``/readyz``, ``/metrics``).
 
 An inference request is decoded (``service.decode``, in a worker thread), made
 into the task's ``Request`` (``Task.prepare``), queued and solved
@@ -27,7 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.security import APIKeyHeader, HTTPBearer
 from PIL import Image
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic import Field as PydanticField
 from pydantic.fields import FieldInfo
 
@@ -39,7 +40,7 @@ from kdeq.tasks import Request as TaskRequest
 from service.decode import DecodedImage, decode_image, decode_mask
 from service.encode import PNG, encode_png, wants_json
 from service.engine import Job
-from service.errors import ERROR_RESPONSES, ApiError
+from service.errors import ERROR_RESPONSES, ApiError, ErrorBody
 from service.registry import ModelSlot
 from service.state import Service
 from service.tracing import record_phases
@@ -286,10 +287,11 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         job = Job(
             endpoint=task.route,
             model=slot.id,
-            batch_key=(slot.id, shape, task.batch_key(job_input), alone),
+            batch_key=(slot, shape, task.batch_key(job_input), alone),
             payload=job_input,
             pixels=h * w,
             deadline=start + svc.settings.request_timeout_seconds,
+            target=slot,
         )
         solved: Solved = await svc.engine.infer(job, ticket)
         done_at = time.monotonic()
@@ -511,6 +513,108 @@ async def readyz(request: Request) -> JSONResponse:
     status = svc.readiness()
     body = {"status": status} if svc.fault is None else {"status": status, "detail": svc.fault}
     return JSONResponse(body, status_code=200 if status == "ready" else 503)
+
+
+class ModelState(BaseModel):
+    """``GET /models/{name}``: the version of ``name`` serving and the versions the repository has."""
+
+    name: str
+    serving: str | None = PydanticField(description="`NAME:VERSION` answering requests; null if none")
+    version: int | None
+    ready: bool
+    error: str | None = PydanticField(description="why the configured version is not ready")
+    devices: list[str]
+    load_seconds: float | None
+    versions: list[int] = PydanticField(description="the versions in the model repository")
+
+
+class LoadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int | None = PydanticField(
+        None, ge=1, description="the version to load (default: the highest in the repository)"
+    )
+
+
+def _model_state(svc: Service, name: str) -> ModelState:
+    """``name``'s state; ``ApiError`` 404 when it is neither configured nor in the repository."""
+    slots = svc.registry.named(name)
+    versions = svc.registry.versions(name)
+    if not slots and not versions:
+        raise ApiError(404, "no_model", f"no model {name!r} is configured or in the repository")
+    slot = next((s for s in slots if s.ready), slots[0] if slots else None)
+    return ModelState(
+        name=name,
+        serving=slot.id if slot is not None and slot.ready else None,
+        version=int(slot.id.partition(":")[2]) if slot is not None and slot.path is not None else None,
+        ready=slot is not None and slot.ready,
+        error=slot.error if slot is not None else None,
+        devices=sorted(slot.predictors) if slot is not None else [],
+        load_seconds=slot.load_seconds if slot is not None else None,
+        versions=versions,
+    )
+
+
+MODEL_ERRORS = {401: ERROR_RESPONSES[401], 404: {**ERROR_RESPONSES[404], "description": "no such model"}}
+CONTROL_ERRORS = {
+    **MODEL_ERRORS,
+    403: {"model": ErrorBody, "description": "`KDEQ_MODEL_CONTROL` is off"},
+    503: {"model": ErrorBody, "description": "the service is starting or draining"},
+}
+
+
+@router.get(
+    "/models/{name}",
+    summary="One model: the version serving, its devices and readiness, the versions on disk",
+    dependencies=AUTH,
+    responses=MODEL_ERRORS,
+)
+async def model_state(request: Request, name: str) -> ModelState:
+    return _model_state(_service(request), name)
+
+
+@router.get(
+    "/models/{name}/ready",
+    summary="Per-model readiness (the Open Inference Protocol's model ready): 200 or 503",
+    dependencies=AUTH,
+    responses={**MODEL_ERRORS, 200: {"model": Readiness}, 503: {"model": Readiness}},
+)
+async def model_ready(request: Request, name: str) -> JSONResponse:
+    state = _model_state(_service(request), name)
+    body = {"status": "ready"} if state.ready else {"status": "not_ready", "detail": state.error}
+    return JSONResponse(body, status_code=200 if state.ready else 503)
+
+
+@router.post(
+    "/models/{name}/load",
+    summary="Load a version (default the latest), warm it on every device, then swap it in",
+    description="Requests admitted before the swap finish on the version they were admitted with. A "
+    "load that fails leaves the version serving untouched and answers 422 `load_failed` with the file "
+    "and the reason. Needs `KDEQ_MODEL_CONTROL=true`.",
+    dependencies=AUTH,
+    responses={
+        **CONTROL_ERRORS,
+        400: {"model": ErrorBody, "description": "the body is not a JSON object"},
+        422: {"model": ErrorBody, "description": "the version did not load, or the body is not valid"},
+    },
+)
+async def load_model(request: Request, name: str, body: LoadRequest | None = None) -> ModelState:
+    svc = _service(request)
+    await run_in_threadpool(svc.load_model, name, body.version if body is not None else None)
+    return _model_state(svc, name)
+
+
+@router.post(
+    "/models/{name}/unload",
+    summary="Stop serving a model; requests already admitted finish",
+    description="Needs `KDEQ_MODEL_CONTROL=true`.",
+    dependencies=AUTH,
+    responses=CONTROL_ERRORS,
+)
+async def unload_model(request: Request, name: str) -> ModelState:
+    svc = _service(request)
+    await run_in_threadpool(svc.unload_model, name)
+    return _model_state(svc, name)
 
 
 STATIC = Path(__file__).resolve().parent / "static"

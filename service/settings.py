@@ -112,8 +112,13 @@ class Settings(BaseModel):
     api_key: SecretStr | None = Field(
         None,
         min_length=1,
-        description="when set, the inference routes and `/models` need `Authorization: Bearer` or "
-        "`X-API-Key` (401 otherwise)",
+        description="when set, the inference routes, `/tasks` and `/models` (and the routes under it) "
+        "need `Authorization: Bearer` or `X-API-Key` (401 otherwise)",
+    )
+    model_control: bool = Field(
+        False,
+        description="allow `POST /models/{name}/load` and `/unload`: a model's version loaded, warmed "
+        "and swapped in (or taken out) without a restart; off: they answer 403",
     )
     warmup: bool = Field(
         True, description="run warm-up predictions per model on each device's worker before ready"

@@ -25,7 +25,7 @@ from service.devices import choose_devices, classify, release_memory, select_dev
 from service.engine import Engine, Job
 from service.errors import ApiError, DeviceFailedError
 from service.metrics import Metrics
-from service.registry import ModelRegistry
+from service.registry import ModelRegistry, ModelSlot
 from service.settings import Settings
 
 log = logging.getLogger("kdeq.service")
@@ -74,15 +74,62 @@ class Service:
         self.engine.start(self.devices, self._prepare)
         self.registry.settle()
         for slot in self.registry.slots.values():
-            self.metrics.model_ready.labels(slot.id).set(1 if slot.ready else 0)
-            if slot.ready:
-                # a zero series from the start, so a non-convergence ratio is defined before the first miss
-                self.metrics.solver_nonconverged.labels(TASKS[slot.task].route, slot.id)
+            self._publish(slot)
         with self._phase_lock:
             if self.phase == "starting":
                 self.phase = "ready"
         ready = sum(s.ready for s in self.registry.slots.values())
         log.info("ready: %d of %d model(s) serving", ready, len(self.registry.slots))
+
+    def _publish(self, slot: ModelSlot) -> None:
+        """Export ``slot``'s readiness and, when ready, its version as its name's serving version."""
+        self.metrics.model_ready.labels(slot.id).set(1 if slot.ready else 0)
+        if slot.ready:
+            self.metrics.model_version.labels(slot.name).set(int(slot.id.partition(":")[2]))
+            # a zero series from the start, so a non-convergence ratio is defined before the first miss
+            self.metrics.solver_nonconverged.labels(TASKS[slot.task].route, slot.id)
+
+    def load_model(self, name: str, version: int | None) -> ModelSlot:
+        """Load, warm and swap in ``name`` at ``version`` (``ModelRegistry.load_model``) on every
+        device, with the warm-up sizes of startup; counted. Blocks: call it off the event loop."""
+        self._controllable()
+        sizes = self.settings.warmup_sizes_for(self.devices) if self.settings.warmup else ()
+        try:
+            slot, replaced = self.registry.load_model(name, version, self.devices, sizes)
+        except DeviceFailedError as err:  # nothing runs on the device any more: as after a solve
+            self.engine.retire(err.device, err)
+            raise
+        except ApiError as err:
+            if err.error == "load_failed":
+                self.metrics.model_load_failures.labels(name).inc()
+            raise
+        for old in replaced:
+            if old.id != slot.id:
+                self.metrics.model_ready.labels(old.id).set(0)
+        self._publish(slot)
+        self.metrics.model_loads.labels(name).inc()
+        return slot
+
+    def unload_model(self, name: str) -> list[ModelSlot]:
+        """Stop serving ``name`` (``ModelRegistry.unload_model``); its metrics say so."""
+        self._controllable()
+        removed = self.registry.unload_model(name)
+        for slot in removed:
+            self.metrics.model_ready.labels(slot.id).set(0)
+        self.metrics.model_version.labels(name).set(0)
+        return removed
+
+    def _controllable(self) -> None:
+        """Raise the answer to a load or unload now: 403 when ``KDEQ_MODEL_CONTROL`` is off, 503 until
+        startup has loaded the configured models (or while draining)."""
+        if not self.settings.model_control:
+            raise ApiError(
+                403,
+                "model_control_off",
+                "loading and unloading models at run time is off; set KDEQ_MODEL_CONTROL=true",
+            )
+        if self.phase != "ready":
+            raise ApiError(503, "not_ready", f"the service is {self.phase}", {"Retry-After": "5"})
 
     def _prepare(self, device: str) -> None:
         """Ready the calling worker thread for ``device``: select it (before any torch work, so that
@@ -135,7 +182,7 @@ class Service:
         return self.phase
 
     def _solve(self, device: str, jobs: list[Job]) -> list[Solved | ApiError]:
-        slot = self.registry.slots[jobs[0].model]
+        slot: ModelSlot = jobs[0].target  # the version the request was admitted with
         refusal: ApiError | None = None
         try:
 

@@ -62,8 +62,9 @@ def test_prometheus_config_and_rules_pass_promtool(tmp_path) -> None:
     tool = promtool()
     done = run(tool, "check", "config", str(local_prometheus_config(tmp_path)))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 rule files found" in done.stdout
     rules = sorted(str(p) for p in (PROM / "rules").glob("*.yml"))
+    # the config's glob loads every rule file in the folder
+    assert len(rules) >= 2 and f"{len(rules)} rule files found" in done.stdout
     done = run(tool, "check", "rules", *rules)
     assert done.returncode == 0, done.stdout + done.stderr
     done = run(tool, "test", "rules", "kdeq-alerts.test.yml", cwd=PROM / "tests")
@@ -217,9 +218,9 @@ def test_compose_files_follow_the_compose_specification() -> None:
     assert "/-/ready" in " ".join(prom["healthcheck"]["test"])
     assert "/api/health" in " ".join(grafana["healthcheck"]["test"])
     assert "GF_AUTH_ANONYMOUS_ENABLED" in grafana["environment"]
-    # replicas publish distinct host ports (on loopback unless BIND_ADDRESS says otherwise) and
-    # Prometheus finds them by the service's DNS name
-    assert interpolate(kdeq["ports"][0]).split(":")[:2] == ["127.0.0.1", "8000-8009"]
+    # replicas publish no host port (any number can run); Prometheus finds them by the service's DNS
+    # name, and so does HAProxy (test_haproxy_config_promises)
+    assert "ports" not in kdeq and kdeq["expose"] == ["8000"]
     assert cpu["services"]["kdeq"]["image"] != kdeq["image"]  # the two builds never share a tag
     job = next(
         j
@@ -268,16 +269,143 @@ def test_multi_gpu_compose_runs_one_discoverable_replica_per_gpu(monkeypatch) ->
         assert env["KDEQ_DEVICE"] == "cuda", name
         devices = [torch.device(d) for d in compose_settings(service).devices()]
         assert [(d.type, d.index or 0) for d in devices] == [("cuda", 0)], name
-        # Prometheus scrapes it: its DNS names include every name the kdeq job asks for
-        assert kdeq_dns_names() <= dns_names(name, service), name
+        # Prometheus scrapes it and HAProxy sends it requests: its DNS names include every name the
+        # kdeq job asks for and the one HAProxy's server-template resolves
+        assert kdeq_dns_names() | {haproxy_target()[0]} <= dns_names(name, service), name
+        assert "ports" not in service, name  # reached through HAProxy, as every replica
         # the rest is the base service (extends and the merge kept it)
-        for key in ("build", "healthcheck", "volumes", "ports", "stop_grace_period", "restart"):
+        for key in ("build", "healthcheck", "volumes", "expose", "stop_grace_period", "restart"):
             assert service[key] == base[key], (name, key)
         assert {k: v for k, v in env.items() if k != "KDEQ_DEVICE"} == {
             k: v for k, v in base["environment"].items() if k != "KDEQ_DEVICE"
         }, name
     # distinct GPUs, numbered from 0 as nvidia-smi numbers them, none skipped
     assert sorted(gpus, key=int) == [str(i) for i in range(len(replicas))]
+
+
+# --- HAProxy ---------------------------------------------------------------------------------
+
+HAPROXY = DEPLOY / "haproxy" / "haproxy.cfg"
+
+
+def haproxy_config() -> dict[str, list[list[str]]]:
+    """``deploy/haproxy/haproxy.cfg`` as HAProxy reads it in the container (no ``LB_*`` variable set):
+    section (``"backend kdeq"``, ...) to its lines' words, comments dropped, quotes removed and
+    ``"${NAME-default}"`` expanded to its default."""
+    expand = lambda m: m[2]  # noqa: E731
+    sections: dict[str, list[list[str]]] = {}
+    current: list[list[str]] = []
+    for raw in HAPROXY.read_text().splitlines():
+        line = raw.split(" #", 1)[0] if not raw.lstrip().startswith("#") else ""
+        if not line.strip():
+            continue
+        words = [re.sub(r"\$\{(\w+)-([^}]*)\}", expand, w.strip('"')) for w in shlex.split(line, posix=False)]
+        if not raw[0].isspace():
+            current = sections.setdefault(" ".join(words), [])
+        else:
+            current.append(words)
+    return sections
+
+
+def directive(section: list[list[str]], *prefix: str) -> list[str]:
+    """The one line of ``section`` that starts with the words ``prefix``."""
+    (line,) = [words for words in section if words[: len(prefix)] == list(prefix)]
+    return line
+
+
+def option_after(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def haproxy_seconds(value: str) -> float:
+    """An HAProxy time (``500ms``, ``2s``, ``1m``; bare numbers are milliseconds) in seconds."""
+    number, unit = re.fullmatch(r"(\d+)(us|ms|s|m|h|d)?", value).groups()
+    return int(number) * {"us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1e-3}[unit]
+
+
+def haproxy_target() -> tuple[str, int]:
+    """The DNS name and port HAProxy's ``server-template`` fills its servers from."""
+    line = directive(haproxy_config()["backend kdeq"], "server-template")
+    host, port = line[3].rsplit(":", 1)
+    return host, int(port)
+
+
+def test_haproxy_config_passes_haproxys_own_check(tmp_path) -> None:
+    binary = shutil.which("haproxy")
+    if binary is None:
+        missing_tool("haproxy not installed (Debian package haproxy; .ci/run installs it)")
+    # as compose runs it (the LB_* variables unset: their defaults), and as tests/test_haproxy.py
+    # runs it on loopback
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LB_")}
+    done = subprocess.run(
+        [binary, "-c", "-f", str(HAPROXY)], env=clean, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and "Configuration file is valid" in done.stdout + done.stderr, done
+    local = {"LB_BIND": "127.0.0.1:18000", "LB_STATS_BIND": "127.0.0.1:18404", "LB_CHECK_INTER": "200ms"}
+    done = subprocess.run(
+        [binary, "-c", "-f", str(HAPROXY)], env={**clean, **local}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done
+    # the check is live: a misspelt keyword fails it
+    broken = tmp_path / "broken.cfg"
+    broken.write_text(HAPROXY.read_text().replace("balance leastconn", "balance lestconn"))
+    done = subprocess.run(
+        [binary, "-c", "-f", str(broken)], env=clean, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and "balance only supports" in done.stdout + done.stderr
+
+
+def test_haproxy_config_promises() -> None:
+    config = haproxy_config()
+    defaults, backend = config["defaults"], config["backend kdeq"]
+    services = load_compose("docker-compose.yml")["services"]
+    kdeq, lb = services["kdeq"], services["haproxy"]
+
+    # the only published kdeq port is HAProxy's, on loopback unless BIND_ADDRESS says otherwise,
+    # whatever files are combined (so `--scale` never races for host ports)
+    for names in (
+        ["docker-compose.yml"],
+        ["docker-compose.yml", "docker-compose.cpu.yml"],
+        ["docker-compose.yml", "docker-compose.multi-gpu.yml"],
+    ):
+        published = {
+            name: [interpolate(p) for p in s.get("ports", [])]
+            for name, s in load_compose(*names)["services"].items()
+            if any(interpolate(p).endswith(":8000") for p in s.get("ports", []))
+        }
+        assert published == {"haproxy": ["127.0.0.1:8000:8000"]}, (names, published)
+    # it listens where it is published, and finds replicas as Prometheus does, on the port they expose
+    assert directive(config["frontend kdeq"], "bind")[1] == ":8000"
+    host, port = haproxy_target()
+    assert {host} == kdeq_dns_names() and [str(port)] == kdeq["expose"]
+    assert directive(config["resolvers docker"], "nameserver")[2] == "127.0.0.11:53"  # Docker's DNS
+    # the repository's file, read-only, where the image's entrypoint reads its config; a pinned image
+    assert lb["volumes"] == ["./deploy/haproxy/haproxy.cfg:/usr/local/etc/haproxy/haproxy.cfg:ro"]
+    assert re.fullmatch(r"haproxy:\d+\.\d+\.\d+", lb["image"]), lb["image"]
+
+    # replicas are checked on /readyz, the readiness the image's own health check uses
+    assert directive(backend, "option", "httpchk") == ["option", "httpchk", "GET", "/readyz"]
+    assert "/readyz" in (ROOT / "service" / "healthcheck.py").read_text()
+    assert directive(backend, "http-check", "expect") == ["http-check", "expect", "status", "200"]
+    server = directive(backend, "default-server")
+    assert "check" in server and option_after(server, "resolvers") == "docker"
+    # a stopping replica is out of the pool before its drain ends: the next check after SIGTERM, the
+    # failures after it at the fast interval, and a second for a check's answer on a busy host
+    detect = haproxy_seconds(option_after(server, "inter")) + (int(option_after(server, "fall")) - 1) * (
+        haproxy_seconds(option_after(server, "fastinter"))
+    )
+    env = kdeq["environment"]
+    assert detect + 1 <= float(env["KDEQ_DRAIN_SECONDS"]), detect
+    # kdeq answers its own 504 (JSON, with the request ID) before HAProxy would time out
+    timeout = float(env["KDEQ_REQUEST_TIMEOUT_SECONDS"])
+    assert haproxy_seconds(directive(defaults, "timeout", "server")[2]) > timeout
+    assert haproxy_seconds(directive(defaults, "timeout", "client")[2]) > timeout
+    # only connection failures are retried (the request never reached a replica), each on another
+    # replica; a replica's 503 and its Retry-After go to the client
+    assert directive(defaults, "retry-on") == ["retry-on", "conn-failure"]
+    assert directive(defaults, "option", "redispatch") == ["option", "redispatch", "1"]
+    assert not any(words[0] == "http-response" for words in config["frontend kdeq"] + backend + defaults)
+    assert directive(backend, "balance") == ["balance", "leastconn"]
 
 
 # --- Grafana ---------------------------------------------------------------------------------

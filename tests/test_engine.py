@@ -41,8 +41,8 @@ def engine(runner: Runner, **kw) -> tuple[Engine, Metrics]:
     return Engine(runner, metrics, **opts), metrics
 
 
-def job(payload: str, key: str = "a", pixels: int = 100, timeout: float = 10.0) -> Job:
-    return Job("/denoise", "m:1", key, payload, pixels, time.monotonic() + timeout)
+def job(payload: str, key: str = "a", pixels: int = 100, timeout: float = 10.0, model: str = "m:1") -> Job:
+    return Job("/denoise", model, key, payload, pixels, time.monotonic() + timeout)
 
 
 async def _blocked_then(
@@ -94,6 +94,18 @@ def test_batch_size_and_pixel_limits() -> None:
     run(lambda: _blocked_then(eng, runner, specs), eng)
     # a4 joins a3 past `big`, which does not fit; `big` is then the oldest, so it cannot starve
     assert runner.batches == [["first"], ["a1", "a2"], ["a3", "a4"], ["big"]]
+
+
+def test_models_take_turns_so_a_backlog_delays_another_model_by_one_batch() -> None:
+    """The worker is busy with model m:1 while three m:1 batches (different keys) and two of model
+    m:2 queue up: m:2, never served, goes next, then the models alternate while both have work (in
+    arrival order, m:2 would have waited behind the whole m:1 backlog)."""
+    runner = Runner()
+    eng, _ = engine(runner)
+    specs = [("s1", "s1"), ("s2", "s2"), ("f1", "f1", 100, 10.0, "m:2"), ("s3", "s3")]
+    specs.append(("f2", "f2", 100, 10.0, "m:2"))
+    run(lambda: _blocked_then(eng, runner, specs), eng)
+    assert runner.batches == [["first"], ["f1"], ["s1"], ["f2"], ["s2"], ["s3"]]
 
 
 def test_full_queue_is_refused_at_once_with_retry_after() -> None:
