@@ -102,10 +102,10 @@ def probed(url: str, stop: threading.Event, period: float = 0.1) -> list[float]:
 
 
 def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
-    """An open load of 6× capacity: refusals (503) as fast as 50 ms, or as a liveness probe sent
-    beside them (on a machine slowed by a neighbour); accepted requests within the queue's wait; and
-    the next request after the load at its unloaded latency. The solve time that bounds the waits is
-    the slower of two measured beside the load, before and after it."""
+    """An open load of 6× capacity: refusals (503) within 50 ms, or within three times the p99 of a
+    liveness probe sent beside them (on a machine slowed by a neighbour); accepted requests within
+    the queue's wait; and the next request after the load at its unloaded latency. The solve time
+    that bounds the waits is the slower of two measured beside the load, before and after it."""
     queue = 4
     with run_server(tmp_path, queue_size=queue, max_batch_size=1) as server:
         pngs = images(128)
@@ -126,7 +126,7 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
         assert len(rejected) > len(accepted) > 0  # offered load far above capacity
         assert all(retry == "1" for _, _, c, retry in results if c == 503)
         p99_rejected = float(np.quantile(rejected, 0.99))
-        assert p99_rejected <= max(0.050, 2.0 * probe_p99), (p99_rejected, probe_p99)
+        assert p99_rejected <= max(0.050, 3.0 * probe_p99), (p99_rejected, probe_p99)
         # recovery: the next request is served at once, at its unloaded latency
         t0 = time.monotonic()
         assert httpx.post(

@@ -32,6 +32,7 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    """The YAML node for a string: a literal block (``|``) when it spans lines, else plain."""
     style = "|" if "\n" in value else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
@@ -40,11 +41,15 @@ _Dumper.add_representer(str, _str)
 
 
 def dump(obj: dict, sources: str) -> str:
+    """``obj`` as a YAML document, keys in their given order, under the "generated, do not edit"
+    header that names ``sources``."""
     body = yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
     return HEADER.format(sources=sources) + body
 
 
 def service_monitor() -> dict:
+    """The ServiceMonitor: the Service's ``http`` port scraped at the compose kdeq job's metrics path
+    and interval (the global interval when the job sets none)."""
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     job = next(j for j in config["scrape_configs"] if j["job_name"] == JOB)
     return {
@@ -65,10 +70,12 @@ def service_monitor() -> dict:
 
 
 def rule_files() -> list[Path]:
+    """The compose stack's rule files, ``deploy/prometheus/rules/*.yml``, in name order."""
     return sorted((DEPLOY / "prometheus" / "rules").glob("*.yml"))
 
 
 def prometheus_rule() -> dict:
+    """The PrometheusRule: every group of every rule file, in file order, unchanged."""
     groups = [group for path in rule_files() for group in yaml.safe_load(path.read_text())["groups"]]
     return {
         "apiVersion": "monitoring.coreos.com/v1",
@@ -83,6 +90,7 @@ def with_datasource_variable(board: dict) -> dict:
     and that variable added: the viewer's Grafana offers its own Prometheus datasources."""
 
     def walk(node: object) -> object:
+        """A copy of ``node`` with each ``{"type": "prometheus", "uid": …}`` reference replaced."""
         if isinstance(node, dict):
             if node.get("type") == "prometheus" and set(node) == {"type", "uid"}:
                 return {"type": "prometheus", "uid": "${datasource}"}
@@ -111,10 +119,13 @@ def with_datasource_variable(board: dict) -> dict:
 
 
 def dashboard_paths() -> list[Path]:
+    """The compose stack's dashboards, ``deploy/grafana/dashboards/*.json``, in name order."""
     return sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 
 
 def dashboard_config_maps() -> list[dict]:
+    """A ConfigMap per dashboard, named after its file, holding its JSON with the datasource
+    variable, labelled for the Grafana sidecar."""
     maps = []
     for path in dashboard_paths():
         board = with_datasource_variable(json.loads(path.read_text()))
@@ -147,6 +158,7 @@ def outputs() -> dict[Path, str]:
 
 
 def main() -> None:
+    """Write every generated file (``outputs``) and name each on stdout."""
     for path, text in outputs().items():
         path.write_text(text)
         print(f"wrote {path.relative_to(DEPLOY.parent)}")
