@@ -6,7 +6,8 @@ Each has one method per registered task (``kdeq.tasks.TASKS``), named after it w
 inputs (as in ``kdeq TASK`` and docs/api.md), sent only when given, plus ``model``, ``max_iter``,
 ``tol`` and ``request_id``; it returns a ``Result``. ``client.run(task, image, **kwargs)`` is the
 same call by the task's name. Images go in as numpy arrays, PIL images, paths or encoded file bytes
-and come back as numpy arrays, with the PNG the service sent.
+and come back as numpy arrays, with the PNG the service sent. ``model``, ``load_model`` and
+``unload_model`` read and change which version of a model the service serves (``ModelState``).
 
 Every call sends an ``X-Request-ID``: the caller's ``request_id`` (1 to 128 printable ASCII characters,
 no spaces, as the service accepts; ``ValueError`` otherwise) or a new random one (32 hex digits), the
@@ -372,16 +373,68 @@ def _call(
     return _Call(task, data, uploads, {"X-Request-ID": rid}, rid)
 
 
-def _no_answer(httpx: ModuleType, err: Exception, call: _Call, timeout: float) -> KdeqError:
+def _no_answer(httpx: ModuleType, err: Exception, request_id: str, timeout: float) -> KdeqError:
     """The exception for a request that got no answer (``err`` from httpx2)."""
     if isinstance(err, httpx.TimeoutException):
         return RequestTimeoutError(
-            "client_timeout", f"no answer within {timeout:g} s ({err!r})", None, call.request_id
+            "client_timeout", f"no answer within {timeout:g} s ({err!r})", None, request_id
         )
-    return ConnectionFailedError("connection_failed", f"{type(err).__name__}: {err}", None, call.request_id)
+    return ConnectionFailedError("connection_failed", f"{type(err).__name__}: {err}", None, request_id)
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A model as ``GET /models/{name}`` describes it.
+
+    Attributes:
+        name: the model's name.
+        serving: ``NAME:VERSION`` answering its requests, ``None`` when none is.
+        version: the configured version (``None`` when none is configured).
+        ready: whether it answers requests.
+        error: why the configured version is not ready, else ``None``.
+        devices: the devices it is loaded on.
+        load_seconds: how long its load and warm-up took.
+        versions: the versions the service's model repository holds.
+    """
+
+    name: str
+    serving: str | None
+    version: int | None
+    ready: bool
+    error: str | None
+    devices: tuple[str, ...]
+    load_seconds: float | None
+    versions: tuple[int, ...]
+
+
+def _model_state(body: Any) -> ModelState:
+    return ModelState(
+        name=body["name"],
+        serving=body["serving"],
+        version=body["version"],
+        ready=body["ready"],
+        error=body["error"],
+        devices=tuple(body["devices"]),
+        load_seconds=body["load_seconds"],
+        versions=tuple(body["versions"]),
+    )
+
+
+def _control(name: str, action: str | None, version: int | None) -> tuple[str, str, dict | None]:
+    """The method, path and JSON body of a model-control request (``action`` ``load``, ``unload`` or
+    ``None`` for the model's state); ``ValueError`` for a name the service could never hold."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
+        raise ValueError(f"{name!r} is not a model name")
+    if action is None:
+        return "GET", f"/models/{name}", None
+    return "POST", f"/models/{name}/{action}", None if version is None else {"version": version}
 
 
 # ---------------------------------------------------------------------------------------------- clients
+
+
+def _json_headers(request_id: str) -> dict[str, str]:
+    return {"Accept": "application/json", "X-Request-ID": request_id}
 
 
 class _Base:
@@ -451,7 +504,37 @@ class Client(_Base):
         try:
             return self._http.post(call.task.route, data=call.data, files=call.files, headers=call.headers)
         except self._httpx.TransportError as err:
-            raise _no_answer(self._httpx, err, call, self.timeout) from err
+            raise _no_answer(self._httpx, err, call.request_id, self.timeout) from err
+
+    def model(self, name: str) -> ModelState:
+        """Model ``name``'s state: the version serving, its devices, the versions on the service."""
+        return self._control(*_control(name, None, None))
+
+    def load_model(self, name: str, version: int | None = None) -> ModelState:
+        """Load ``name`` at ``version`` (default the highest the service holds), warm it and swap it in
+        (the service needs ``KDEQ_MODEL_CONTROL=true``); its state after. ``KdeqError`` when refused:
+        ``load_failed`` (422) leaves the version serving untouched."""
+        return self._control(*_control(name, "load", version))
+
+    def unload_model(self, name: str) -> ModelState:
+        """Stop serving ``name`` (requests already admitted finish); its state after."""
+        return self._control(*_control(name, "unload", None))
+
+    def _control(self, method: str, path: str, body: dict | None) -> ModelState:
+        rid = _request_id(None)
+        deadline = time.monotonic() + self.retry_budget
+        while True:
+            try:
+                response = self._http.request(method, path, json=body, headers=_json_headers(rid))
+            except self._httpx.TransportError as err:
+                raise _no_answer(self._httpx, err, rid, self.timeout) from err
+            delay = _delay(response, time.monotonic(), deadline)
+            if delay is None:
+                break
+            self._sleep(delay)
+        if response.status_code != 200:
+            raise _error(response, rid)
+        return _model_state(response.json())
 
     def close(self) -> None:
         self._http.close()
@@ -510,7 +593,35 @@ class AsyncClient(_Base):
                 call.task.route, data=call.data, files=call.files, headers=call.headers
             )
         except self._httpx.TransportError as err:
-            raise _no_answer(self._httpx, err, call, self.timeout) from err
+            raise _no_answer(self._httpx, err, call.request_id, self.timeout) from err
+
+    async def model(self, name: str) -> ModelState:
+        """``Client.model``, awaited."""
+        return await self._control(*_control(name, None, None))
+
+    async def load_model(self, name: str, version: int | None = None) -> ModelState:
+        """``Client.load_model``, awaited."""
+        return await self._control(*_control(name, "load", version))
+
+    async def unload_model(self, name: str) -> ModelState:
+        """``Client.unload_model``, awaited."""
+        return await self._control(*_control(name, "unload", None))
+
+    async def _control(self, method: str, path: str, body: dict | None) -> ModelState:
+        rid = _request_id(None)
+        deadline = time.monotonic() + self.retry_budget
+        while True:
+            try:
+                response = await self._http.request(method, path, json=body, headers=_json_headers(rid))
+            except self._httpx.TransportError as err:
+                raise _no_answer(self._httpx, err, rid, self.timeout) from err
+            delay = _delay(response, time.monotonic(), deadline)
+            if delay is None:
+                break
+            await self._sleep(delay)
+        if response.status_code != 200:
+            raise _error(response, rid)
+        return _model_state(response.json())
 
     async def aclose(self) -> None:
         await self._http.aclose()

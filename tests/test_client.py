@@ -615,3 +615,37 @@ def test_kdeq_remote_writes_as_the_local_command_and_exits_3_when_not_converged(
     printed = capsys.readouterr().out
     assert "iterations 1," in printed and "converged False" in printed
     assert (tmp_path / "once.png").is_file()  # written all the same, as locally
+
+
+def test_models_are_read_loaded_and_unloaded_through_the_client(server, tmp_path) -> None:
+    """``model``, ``load_model`` and ``unload_model`` against a real service with model control on,
+    sync and async; refusals are ``KdeqError``s with the service's code, off as on."""
+    with pytest.raises(InvalidRequestError) as off:
+        Client(server.url, api_key=KEY).load_model("denoise-kglm")
+    assert off.value.code == "model_control_off" and off.value.status == 403
+    with pytest.raises(ValueError, match="model name"):
+        Client(server.url).model("../etc")
+    image = to_uint8(noisy(smooth_image(SIDE, SIDE), 20.0))
+    with run_server(tmp_path, models="denoise-kglm:2", model_control="true") as s, Client(s.url) as c:
+        state = c.model("denoise-kglm")
+        assert (state.serving, state.version, state.ready) == ("denoise-kglm:2", 2, True)
+        assert state.versions == (1, 2) and state.devices == ("cpu",)
+        assert c.load_model("denoise-kglm", version=1).serving == "denoise-kglm:1"
+        assert c.denoise(image, sigma=20).model == "denoise-kglm:1"
+        with pytest.raises(InvalidRequestError) as missing:
+            c.load_model("denoise-kglm", version=99)
+        assert (missing.value.code, missing.value.status) == ("no_model", 404)
+        assert re.fullmatch(r"[0-9a-f]{32}", missing.value.request_id)
+
+        async def unload_and_back():
+            async with AsyncClient(s.url) as a:
+                gone = await a.unload_model("denoise-kglm")
+                with pytest.raises(InvalidRequestError) as refused:
+                    await a.denoise(image, sigma=20)
+                back = await a.load_model("denoise-kglm")
+                return gone, refused.value.code, back, await a.model("denoise-kglm")
+
+        gone, code, back, after = asyncio.run(unload_and_back())
+        assert gone.serving is None and not gone.ready and code == "no_model"
+        assert back.serving == after.serving == "denoise-kglm:2"
+        assert c.denoise(image, sigma=20).model == "denoise-kglm:2"

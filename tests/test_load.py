@@ -38,6 +38,10 @@ def multipart(png: bytes) -> tuple[bytes, str]:
     return body, f"multipart/form-data; boundary={boundary}"
 
 
+#: the status ``hammer`` records for a request whose connection was reset before an answer was read
+RESET = 0
+
+
 def hammer(
     url: str, pngs: list[bytes], clients: int, seconds: float, interval: float | None = None
 ) -> list[tuple[float, float, int, str | None]]:
@@ -61,13 +65,23 @@ def hammer(
                 due += interval
             body, ctype = bodies[i % len(bodies)]
             t0 = time.monotonic()
-            conn.request("POST", "/denoise", body=body, headers={"Content-Type": ctype})
-            r = conn.getresponse()
-            r.read()
+            try:
+                conn.request("POST", "/denoise", body=body, headers={"Content-Type": ctype})
+                r = conn.getresponse()
+                r.read()
+                status, retry, close = (
+                    r.status,
+                    r.getheader("retry-after"),
+                    r.getheader("connection") == "close",
+                )
+            except (ConnectionError, http.client.HTTPException):
+                # a refusal sent before the upload is read closes the connection; while this side is
+                # still sending, the close can reach it as a reset before the 503 can be read
+                status, retry, close = RESET, None, True
             elapsed = time.monotonic() - t0
             with lock:
-                out.append((t0, elapsed, r.status, r.getheader("retry-after")))
-            if r.getheader("connection") == "close":
+                out.append((t0, elapsed, status, retry))
+            if close:
                 conn.close()
                 conn = http.client.HTTPConnection(host, int(port), timeout=120)
             i += clients
@@ -116,11 +130,15 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
         stop = threading.Event()
         with ThreadPoolExecutor(1) as pool:
             probes = pool.submit(probed, server.url, stop)
-            results = hammer(server.url, pngs, clients=clients, seconds=8.0, interval=clients / offered)
-            stop.set()
+            try:
+                results = hammer(server.url, pngs, clients=clients, seconds=8.0, interval=clients / offered)
+            finally:
+                stop.set()  # the probe ends whatever happened to the load, or the pool would wait for ever
             probe_p99 = float(np.quantile(probes.result(), 0.99))
         codes = [c for _, _, c, _ in results]
-        assert set(codes) <= {200, 503}, set(codes)
+        assert set(codes) <= {200, 503, RESET}, set(codes)
+        # a refusal the client could not read for a reset is rare: the 503s are what clients get
+        assert codes.count(RESET) <= 0.05 * codes.count(503), (codes.count(RESET), codes.count(503))
         rejected = [t for _, t, c, _ in results if c == 503]
         accepted = [t for _, t, c, _ in results if c == 200]
         assert len(rejected) > len(accepted) > 0  # offered load far above capacity
