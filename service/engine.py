@@ -7,9 +7,8 @@ Each worker thread takes the oldest job of the model served least recently
 delays another model's request by at most one batch, not by the whole backlog)
 and gathers the queued jobs with the same ``batch_key`` (same model, image shape
 and batch-wide options) up to ``max_batch_size`` jobs and ``max_batch_pixels``
-pixels. It waits up to
-``batch_wait_seconds`` for more only while other requests are still being
-decoded (``incoming``), since otherwise nothing can join. Blocking torch work
+pixels. It waits up to ``batch_wait_seconds`` for more only while other requests
+are still being decoded (``incoming``), since otherwise nothing can join. Blocking torch work
 runs only on the workers, never on the event loop.
 
 Each worker first runs ``prepare(device)`` on its own thread (the service selects
