@@ -109,8 +109,10 @@ def api_page() -> str:
             if headers:
                 out.append("\nResponse headers:\n\n")
                 out.extend(f"- `{name}`: {h['description']}\n" for name, h in headers.items())
-    out.append("\n## Error body\n\nEvery error is JSON with two fields:\n\n")
-    out.extend(f"- `{name}`: {p.get('type')}\n" for name, p in schemas["ErrorBody"]["properties"].items())
+    out.append("\n## Error body\n\nEvery error is JSON with these fields:\n\n")
+    for name, p in schemas["ErrorBody"]["properties"].items():
+        kinds = [p["type"]] if "type" in p else [a.get("type") for a in p.get("anyOf", [])]
+        out.append(f"- `{name}`: {' or '.join(map(str, kinds))}\n")
     out.append("\n## JSON result (`Accept: application/json`)\n\n")
     out.append("Every task's body has these fields, plus the task's own (the table under Tasks):\n\n")
     result = Result.model_json_schema()

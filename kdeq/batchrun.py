@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -75,8 +75,10 @@ def plan(
     options: Options,
     files: Mapping[str, Path],
     override: SolverOverride | None,
+    uncertainty: bool = False,
 ) -> list[Job]:
-    """Read and prepare every input (``ValueError`` naming the file at the first that fails)."""
+    """Read and prepare every input (``ValueError`` naming the file at the first that fails), each
+    request asking for its posterior standard deviation where ``uncertainty``."""
     jobs = []
     for source, target in zip(inputs, outputs(inputs, out), strict=True):
         given = {}
@@ -90,7 +92,7 @@ def plan(
             request = task.prepare(image, None, options, given, override)
         except InputError as err:
             raise ValueError(f"{source}: {err.detail}") from None
-        jobs.append(Job(source, target, request))
+        jobs.append(Job(source, target, replace(request, uncertainty=uncertainty)))
     return jobs
 
 

@@ -41,7 +41,7 @@ import torch
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from kdeq import batchrun
+from kdeq import batchrun, scaledpng
 from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
 from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError, Result
 from kdeq.families import Gaussian
@@ -58,6 +58,7 @@ from kdeq.tasks import TASKS, Solved, Task
 from kdeq.tiling import TILE_SIZE
 from kdeq.train import calibrate, init_compare
 from kdeq.train import cli as train_cli
+from kdeq.uncertainty import unsupported
 
 
 def test_image(size: int) -> torch.Tensor:
@@ -146,6 +147,14 @@ def add_task_command_arguments(
     parser.add_argument("--model", help=model_help)
     parser.add_argument("--tol", type=float, help="solver tolerance override")
     parser.add_argument("--max-iter", type=int, help="solver iteration cap override")
+    if task.family == "gaussian":
+        parser.add_argument(
+            "--uncertainty",
+            metavar="OUT",
+            help="also write the output's posterior standard deviation as a 16-bit grey PNG (pixel × "
+            "its kdeq:scale text chunk = std on the output's [0, 1] scale); with several inputs, a "
+            "folder of <stem>.png",
+        )
     add_task_arguments(parser, task)
 
 
@@ -153,6 +162,10 @@ def _solve_line(source: Path | None, model: str, result: Solved | Result, timing
     """The line ``kdeq TASK`` and ``kdeq remote TASK`` print per image: its source (with several),
     the model, the solver's statistics, λ, the task's result fields, and ``timing``."""
     extra = "".join(f", {k} {v:.4g}" for k, v in result.fields.items() if v is not None)
+    found = result.uncertainty
+    if found is not None:
+        how = "exact" if found.exact else f"{found.probes} probes, ~{100 * (found.error or 0.0):.1f} % error"
+        extra += f", std max {float(found.std.max()):.4g} ({how})"
     return (
         f"{f'{source}: ' if source is not None else ''}{model}: iterations {result.iterations}, "
         f"residual {result.residual:.2e}, converged {result.converged}, lambda {result.lam:.4g}"
@@ -172,8 +185,13 @@ def _run_model(args: argparse.Namespace) -> int:
     files = {spec.name: Path(getattr(args, spec.name)) for spec in task.files if getattr(args, spec.name)}
     override = SolverOverride(tol=args.tol, max_iter=args.max_iter)
     inputs = [Path(p) for p in args.input]
+    stds = _uncertainty_outputs(args, inputs)
+    if stds is not None:
+        why = unsupported(predictor)
+        if why is not None:
+            raise ValueError(f"no --uncertainty: {why}")
     start = time.perf_counter()
-    jobs = batchrun.plan(task, inputs, Path(args.out), options, files, override)
+    jobs = batchrun.plan(task, inputs, Path(args.out), options, files, override, stds is not None)
     several = len(jobs) > 1
     if several:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -188,6 +206,8 @@ def _run_model(args: argparse.Namespace) -> int:
             progress.clear()
         for job, result in zip(batch, solved, strict=True):
             write_png(job.out, torch.from_numpy(result.output))
+            if stds is not None:
+                scaledpng.write(stds[job.source], result.uncertainty.std)
             where = f"{seconds / len(batch) * 1e3:.0f} ms"
             print(_solve_line(job.source if several else None, predictor.name, result, where), flush=True)
             converged += result.converged
@@ -205,6 +225,23 @@ def _run_model(args: argparse.Namespace) -> int:
     return 0 if converged == count else 3
 
 
+def _uncertainty_outputs(args: argparse.Namespace, inputs: list[Path]) -> dict[Path, Path] | None:
+    """Where ``--uncertainty`` writes each input's map (``batchrun.outputs``), ``None`` without it;
+    ``ValueError`` where a map would overwrite an output."""
+    given = getattr(args, "uncertainty", None)
+    if given is None:
+        return None
+    found = dict(zip(inputs, batchrun.outputs(inputs, Path(given)), strict=True))
+    clash = set(map(Path.resolve, found.values())) & set(
+        map(Path.resolve, batchrun.outputs(inputs, Path(args.out)))
+    )
+    if clash:
+        raise ValueError(f"--uncertainty would overwrite the output {sorted(clash)[0]}")
+    if len(inputs) > 1:
+        Path(given).mkdir(parents=True, exist_ok=True)
+    return found
+
+
 def _run_remote(args: argparse.Namespace) -> int:
     """``kdeq remote TASK``: every input and file input read and checked as ``kdeq TASK`` does
     (``batchrun.plan``: the options, each image decoded, a mask's size, …) before anything is sent;
@@ -216,6 +253,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     options = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}
     named = {f.name: Path(getattr(args, f.name)) for f in task.files if getattr(args, f.name)}
     several = len(inputs) > 1
+    stds = _uncertainty_outputs(args, inputs)
     start, converged = time.perf_counter(), 0
     # the client first, so that a missing httpx2 is reported before every input is read
     with Client(args.url, args.api_key, args.timeout, args.retry_budget) as client:
@@ -231,10 +269,13 @@ def _run_remote(args: argparse.Namespace) -> int:
                 model=args.model,
                 max_iter=args.max_iter,
                 tol=args.tol,
+                uncertainty=stds is not None,
                 **options,
                 **files,
             )
             _write_local(job.out, result.image)
+            if stds is not None:
+                scaledpng.write(stds[job.source], result.uncertainty.std)
             where = f"{result.timings.get('total', 0.0) * 1e3:.0f} ms on the service"
             print(_solve_line(job.source if several else None, result.model, result, where), flush=True)
             converged += result.converged

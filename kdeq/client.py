@@ -4,7 +4,8 @@ Each has one method per registered task (``kdeq.tasks.TASKS``), named after it w
 ``_``: ``client.denoise(image, sigma=25)``, ``client.inpaint(image, mask=missing)``,
 ``client.super_resolve(image, scale=2)``. Its keyword arguments are the task's options and file
 inputs (as in ``kdeq TASK`` and docs/api.md), sent only when given, plus ``model``, ``max_iter``,
-``tol`` and ``request_id``; it returns a ``Result``. ``client.run(task, image, **kwargs)`` is the
+``tol``, ``uncertainty`` (also return the output's posterior standard deviation: ``Result.uncertainty``)
+and ``request_id``; it returns a ``Result``. ``client.run(task, image, **kwargs)`` is the
 same call by the task's name. Images go in as numpy arrays, PIL images, paths or encoded file bytes
 and come back as numpy arrays, with the PNG the service sent. ``model``, ``load_model`` and
 ``unload_model`` read and change which version of a model the service serves (``ModelState``).
@@ -29,6 +30,7 @@ command line work without it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import io
 import mimetypes
@@ -45,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from kdeq.tasks import TASKS, Task, get_task
+from kdeq import scaledpng
+from kdeq.tasks import TASKS, Task, UncertaintyMap, get_task
 
 if TYPE_CHECKING:
     import httpx2 as httpx
@@ -213,6 +216,9 @@ class Result:
         timings: seconds per phase from ``Server-Timing``: ``decode``, ``queue``, ``inference``,
             ``encode`` and ``total``.
         request_id: the answer's ``X-Request-ID``, else the one the client sent.
+        uncertainty: with ``uncertainty=True``, the output's posterior standard deviation (``std``
+            ``(H, W)`` float32 on the output's [0, 1] scale, to the 16-bit PNG's resolution; whether it
+            is exact, the probes, the estimate's own error estimate); else ``None``.
     """
 
     task: str
@@ -227,6 +233,7 @@ class Result:
     batch_size: int
     timings: Mapping[str, float]
     request_id: str
+    uncertainty: UncertaintyMap | None = None
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the PNG the service sent to ``path``."""
@@ -251,12 +258,16 @@ def _result(task: Task, response: httpx.Response, sent_id: str) -> Result:
     headers = response.headers
     rid = headers.get("x-request-id") or sent_id
     try:
-        with Image.open(io.BytesIO(response.content)) as im:
+        png, uncertainty = response.content, None
+        if headers.get("content-type", "").startswith("application/json"):  # asked with uncertainty
+            body = response.json()
+            png, uncertainty = base64.b64decode(body["image"]), _uncertainty(body["uncertainty"])
+        with Image.open(io.BytesIO(png)) as im:
             image = np.array(im)
         return Result(
             task=task.name,
             image=image,
-            png=response.content,
+            png=png,
             model=headers["x-kdeq-model"],
             iterations=int(headers["x-kdeq-iterations"]),
             residual=float(headers["x-kdeq-residual"]),
@@ -266,10 +277,17 @@ def _result(task: Task, response: httpx.Response, sent_id: str) -> Result:
             batch_size=int(headers["x-kdeq-batch-size"]),
             timings=_timings(headers.get("server-timing", "")),
             request_id=rid,
+            uncertainty=uncertainty,
         )
-    except (KeyError, ValueError, OSError) as err:  # PIL's UnidentifiedImageError is an OSError
+    except (KeyError, TypeError, ValueError, OSError) as err:  # PIL's UnidentifiedImageError is an OSError
         detail = f"the answer to POST {task.route} is not a kdeq result: {err!r}"
         raise ServerError("bad_response", detail, response.status_code, rid) from None
+
+
+def _uncertainty(body: Mapping[str, Any]) -> UncertaintyMap:
+    """The ``uncertainty`` object of a JSON answer as an ``UncertaintyMap`` (its PNG times its scale)."""
+    std = scaledpng.decode(base64.b64decode(body["png"]), float(body["scale"])).astype(np.float32)
+    return UncertaintyMap(std, bool(body["exact"]), int(body["probes"]), body["error"])
 
 
 # --------------------------------------------------------------------------------------------- requests
@@ -353,10 +371,12 @@ def _call(
     max_iter: int | None,
     tol: float | None,
     request_id: str | None,
+    uncertainty: bool = False,
 ) -> _Call:
     """The multipart form of a request to ``task``: ``image``, the task's options and file inputs in
     ``inputs`` that are not ``None`` (``TypeError`` naming the task's own for any other name), the
-    model and solver limits, and the ``X-Request-ID`` (``_request_id``)."""
+    model and solver limits, ``uncertainty`` (sent, with ``Accept: application/json``, when true: the
+    map comes in JSON only), and the ``X-Request-ID`` (``_request_id``)."""
     rid = _request_id(request_id)
     options = list(task.options.model_fields)
     files = [f.name for f in task.files]
@@ -370,7 +390,11 @@ def _call(
     data.update({k: str(v) for k, v in common.items() if v is not None})
     uploads = {"image": _upload(image, "image")}
     uploads.update({k: _upload(v, k) for k, v in inputs.items() if k in files and v is not None})
-    return _Call(task, data, uploads, {"X-Request-ID": rid}, rid)
+    headers = {"X-Request-ID": rid}
+    if uncertainty:
+        data["uncertainty"] = "true"
+        headers["Accept"] = "application/json"
+    return _Call(task, data, uploads, headers, rid)
 
 
 def _no_answer(httpx: ModuleType, err: Exception, request_id: str, timeout: float) -> KdeqError:
@@ -482,13 +506,15 @@ class Client(_Base):
         max_iter: int | None = None,
         tol: float | None = None,
         request_id: str | None = None,
+        uncertainty: bool = False,
         **inputs: Any,
     ) -> Result:
         """``task``'s ``Result`` for ``image`` with the task's options and file inputs ``inputs``; ``model``
         (``NAME`` or ``NAME:VERSION``, default the service's for the task), solver limits ``max_iter`` and
-        ``tol``, and ``request_id`` sent as ``X-Request-ID`` (default a random one). ``KdeqError`` when
-        refused."""
-        call = _call(get_task(task), image, inputs, model, max_iter, tol, request_id)
+        ``tol``, ``uncertainty`` to have the output's posterior standard deviation too
+        (``Result.uncertainty``; the Gaussian tasks' models), and ``request_id`` sent as
+        ``X-Request-ID`` (default a random one). ``KdeqError`` when refused."""
+        call = _call(get_task(task), image, inputs, model, max_iter, tol, request_id, uncertainty)
         deadline = time.monotonic() + self.retry_budget
         while True:
             response = self._send(call)
@@ -572,10 +598,13 @@ class AsyncClient(_Base):
         max_iter: int | None = None,
         tol: float | None = None,
         request_id: str | None = None,
+        uncertainty: bool = False,
         **inputs: Any,
     ) -> Result:
         """``Client.run``, awaited."""
-        call = await asyncio.to_thread(_call, get_task(task), image, inputs, model, max_iter, tol, request_id)
+        call = await asyncio.to_thread(
+            _call, get_task(task), image, inputs, model, max_iter, tol, request_id, uncertainty
+        )
         deadline = time.monotonic() + self.retry_budget
         while True:
             response = await self._send(call)
@@ -642,8 +671,8 @@ def method_name(task: Task) -> str:
 
 
 def _signature(task: Task) -> inspect.Signature:
-    """``(self, image, *, <options>, <file inputs>, model, max_iter, tol, request_id)``: what ``help()``
-    shows for ``task``'s method (``run`` checks the names)."""
+    """``(self, image, *, <options>, <file inputs>, model, max_iter, tol, request_id, uncertainty)``:
+    what ``help()`` shows for ``task``'s method (``run`` checks the names)."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     params = [
         inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
@@ -664,6 +693,7 @@ def _signature(task: Task) -> inspect.Signature:
         "request_id": "str | None",
     }
     params += [inspect.Parameter(n, keyword, default=None, annotation=a) for n, a in common.items()]
+    params.append(inspect.Parameter("uncertainty", keyword, default=False, annotation="bool"))
     return inspect.Signature(params, return_annotation="Result")
 
 
@@ -677,7 +707,7 @@ def _docstring(task: Task) -> str:
     lines += ["", "Options (sent only when given; the service's defaults otherwise):"]
     lines += [f"    {n}: {info.description}" for n, info in task.options.model_fields.items()]
     lines += [f"    {f.name}: an image input: {f.description}" for f in task.files]
-    lines += ["    model, max_iter, tol, request_id: as for ``run``."]
+    lines += ["    model, max_iter, tol, request_id, uncertainty: as for ``run``."]
     return "\n".join(lines)
 
 

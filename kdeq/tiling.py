@@ -15,7 +15,9 @@ equilibrium ``z = m + K(K + λI)⁻¹(y − m)`` couples every pixel to every ot
 whose influence decays with distance but never vanishes, and each tile's solver stops at its own
 tolerance. ``docs/BENCHMARKS.md`` measures the difference against the untiled solve.
 
-Tiles of one shape are solved in batches (``solve_batch``) and counted one by one by ``progress``.
+Tiles of one shape are solved in batches (``solve_batch``) and counted one by one by ``progress``. A
+request's posterior standard deviation (``Request.uncertainty``) is each tile's, computed within the
+tile, its cores put together like the output's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from itertools import pairwise, product
 import numpy as np
 
 from kdeq.predictor import Predictor
-from kdeq.tasks import Request, Solved, Task, solve_batch
+from kdeq.tasks import Request, Solved, Task, UncertaintyMap, solve_batch
 
 #: the default tile side: on this project's CPU the default denoiser's 24-megapixel colour solve then
 #: peaks within 2 GiB (docs/BENCHMARKS.md)
@@ -119,6 +121,7 @@ def solve_tiled(
     for tile in parts:
         shapes.setdefault(tile.shape, []).append(tile)
     out: np.ndarray | None = None
+    std: np.ndarray | None = None  # the posterior std's cores, when the request asked for it
     stats: list[Solved] = []  # each tile's result, its own output dropped (replaced by the whole's)
     for shape, group in shapes.items():
         step = batch if batch_pixels is None else max(1, min(batch, batch_pixels // (shape[0] * shape[1])))
@@ -129,6 +132,10 @@ def solve_tiled(
                 if out is None:
                     out = np.empty((result.output.shape[0], height, width), dtype=result.output.dtype)
                 out[(slice(None), *tile.core)] = result.output[(slice(None), *tile.crop)]
+                if result.uncertainty is not None:
+                    if std is None:
+                        std = np.empty((height, width), dtype=np.float32)
+                    std[tile.core] = result.uncertainty.std[tile.crop]
                 stats.append(replace(result, output=out))
             if progress is not None:
                 progress(len(chunk))
@@ -139,6 +146,16 @@ def solve_tiled(
         converged=all(s.converged for s in stats),
         finite=all(s.finite for s in stats),
         history=None,  # one per tile: no single sequence is the image's
+        uncertainty=None if std is None else _stitched(std, [s.uncertainty for s in stats]),
+    )
+
+
+def _stitched(std: np.ndarray, parts: list[UncertaintyMap]) -> UncertaintyMap:
+    """The whole image's map from its tiles' (``std`` their cores together): exact where every tile's
+    was, the most probes and the largest estimated error of any tile."""
+    errors = [p.error for p in parts if p.error is not None]
+    return UncertaintyMap(
+        std, all(p.exact for p in parts), max(p.probes for p in parts), max(errors) if errors else None
     )
 
 

@@ -80,7 +80,11 @@ ERROR_RESPONSES: dict[int | str, dict] = {
     404: {"model": ErrorBody, "description": "no loaded model of this task by that name"},
     413: {"model": ErrorBody, "description": "body over the byte limit, or image over the pixel limit"},
     415: {"model": ErrorBody, "description": "not a decodable PNG, JPEG, WebP or TIFF image"},
-    422: {"model": ErrorBody, "description": "a value out of range, or mask and image sizes differ"},
+    422: {
+        "model": ErrorBody,
+        "description": "a value out of range, mask and image sizes differ, or an uncertainty map "
+        "that cannot be given",
+    },
     503: {
         "model": ErrorBody,
         "description": "not ready, draining, queue full, out of memory or device failed; see `Retry-After`",

@@ -24,6 +24,7 @@ from kdeq.checkpoint import CheckpointError, ModelConfig, read_config
 from kdeq.predictor import Predictor
 from kdeq.repository import NAME, VERSION, find_model, list_models, load_predictor
 from kdeq.tasks import TASKS, solve_batch
+from kdeq.uncertainty import unsupported
 from service.devices import classify, on_device
 from service.errors import ApiError, DeviceFailedError
 
@@ -54,6 +55,13 @@ class ModelSlot:
     def pads_exactly(self) -> bool:
         """Whether the model batches images of different sizes exactly (``kdeq.predictor``)."""
         return any(p.pads_exactly for p in self.predictors.values())
+
+    @property
+    def uncertainty_unsupported(self) -> str | None:
+        """Why the model gives no posterior standard deviation (``kdeq.uncertainty.unsupported``), or
+        ``None`` where it gives one."""
+        found = next(iter(self.predictors.values()), None)
+        return "it is not loaded" if found is None else unsupported(found)
 
     @property
     def tiles(self) -> bool:

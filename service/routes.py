@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic import Field as PydanticField
 from pydantic.fields import FieldInfo
 
+from kdeq import scaledpng
 from kdeq.imageio import to_bytes
 from kdeq.predictor import SolverOverride
 from kdeq.samples import sample_images
@@ -61,6 +62,21 @@ class SolverInfo(BaseModel):
     )
 
 
+class UncertaintyInfo(BaseModel):
+    """The posterior standard deviation of the output (``uncertainty=true``; ``kdeq.uncertainty``)."""
+
+    png: str = PydanticField(
+        description="a 16-bit grey PNG in base64: pixel value × `scale` is the standard deviation on "
+        "the output's [0, 1] scale"
+    )
+    scale: float
+    exact: bool = PydanticField(description="computed exactly by a transform (else estimated by probes)")
+    probes: int = PydanticField(description="random probes solved (0 when exact)")
+    error: float | None = PydanticField(
+        description="the estimate's own estimate of its mean relative error (null when exact)"
+    )
+
+
 class Timings(BaseModel):
     decode_seconds: float
     queue_seconds: float
@@ -83,6 +99,9 @@ class Result(BaseModel):
     lam: float
     batch_size: int
     timings: Timings
+    uncertainty: UncertaintyInfo | None = PydanticField(
+        None, description="with `uncertainty=true`: the output's posterior standard deviation"
+    )
 
 
 def _service(request: Request) -> Service:
@@ -173,6 +192,41 @@ HistoryField = Annotated[
 ]
 
 
+UncertaintyField = Annotated[
+    bool,
+    Form(
+        description="also return the output's posterior standard deviation (JSON only: `uncertainty`; "
+        "the Gaussian tasks' models)"
+    ),
+]
+
+
+def _check_uncertainty(slot: ModelSlot, request: Request) -> None:
+    """422 where ``uncertainty=true`` cannot be answered: the model has no Gaussian posterior, or the
+    response would be a PNG (it has no room for a second image)."""
+    reason = slot.uncertainty_unsupported
+    if reason is not None:
+        raise ApiError(422, "uncertainty_unsupported", f"no uncertainty map from {slot.id}: {reason}")
+    if not wants_json(request.headers.get("accept")):
+        raise ApiError(
+            422, "uncertainty_needs_json", "the uncertainty map comes in JSON: send Accept: application/json"
+        )
+
+
+def _uncertainty(solved: Solved) -> UncertaintyInfo | None:
+    found = solved.uncertainty
+    if found is None:
+        return None
+    png, scale = scaledpng.encode(found.std)
+    return UncertaintyInfo(
+        png=base64.b64encode(png).decode(),
+        scale=scale,
+        exact=found.exact,
+        probes=found.probes,
+        error=found.error,
+    )
+
+
 def _override(
     slot: ModelSlot, max_iter: int | None, tol: float | None, history: bool
 ) -> SolverOverride | None:
@@ -228,8 +282,8 @@ def _decode_inputs(
 
 def add_task_route(router: APIRouter, task: Task) -> None:
     """``POST /<task>``: the form fields are ``image``, the task's options and file inputs, ``model``,
-    ``max_iter``, ``tol`` and ``history``; the response is ``task``'s ``Result`` (JSON) or the PNG with
-    headers."""
+    ``max_iter``, ``tol``, ``history`` and ``uncertainty``; the response is ``task``'s ``Result``
+    (JSON) or the PNG with headers."""
     result_model = create_model(
         f"{task.name.title().replace('-', '')}Result",
         __base__=Result,
@@ -245,6 +299,9 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         # before decoding: the model (400/404), the solver override (422), the options (422)
         slot = svc.registry.resolve(task.name, form["model"])
         override = _override(slot, form["max_iter"], form["tol"], bool(form["history"]))
+        uncertainty = bool(form["uncertainty"])
+        if uncertainty:
+            _check_uncertainty(slot, request)
         try:
             options = task.options(**{name: form[name] for name in option_names})
         except ValidationError as err:
@@ -260,6 +317,7 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             decoded, arrays = _decode_inputs(task, form["image"], uploads, limit)
             try:
                 job_input = task.prepare(decoded.pixels, decoded.alpha, options, arrays, override)
+                job_input = dataclasses.replace(job_input, uncertainty=uncertainty)
             except InputError as err:
                 raise ApiError(400 if err.absent else 422, err.code, err.detail) from None
             h, w = task.output_size(job_input)
@@ -287,7 +345,7 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         job = Job(
             endpoint=task.route,
             model=slot.id,
-            batch_key=(slot, shape, task.batch_key(job_input), alone),
+            batch_key=(slot, shape, task.batch_key(job_input), alone, uncertainty),
             payload=job_input,
             pixels=h * w,
             deadline=start + svc.settings.request_timeout_seconds,
@@ -298,6 +356,7 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         mode = "L" if task.grey_output else decoded.mode
         alpha = task.output_alpha(job_input, decoded.alpha, list(uploads))
         png = await run_in_threadpool(encode_png, solved.output, mode, alpha)
+        std = None if solved.uncertainty is None else await run_in_threadpool(_uncertainty, solved)
         end = time.monotonic()
         timings = Timings(
             decode_seconds=decoded_at - start,
@@ -358,6 +417,7 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             lam=solved.lam,
             batch_size=job.batch_size,
             timings=timings,
+            uncertainty=std,
             **solved.fields,
         )
         return JSONResponse(body.model_dump(), headers=headers)
@@ -381,6 +441,7 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             inspect.Parameter("max_iter", KEYWORD, default=None, annotation=MaxIterField),
             inspect.Parameter("tol", KEYWORD, default=None, annotation=TolField),
             inspect.Parameter("history", KEYWORD, default=False, annotation=HistoryField),
+            inspect.Parameter("uncertainty", KEYWORD, default=False, annotation=UncertaintyField),
         ]
     )
     endpoint.__name__ = task.name.replace("-", "_")
@@ -394,7 +455,9 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         response_class=Response,
         dependencies=[
             *AUTH,
-            only_fields("image", *option_names, *file_names, "model", "max_iter", "tol", "history"),
+            only_fields(
+                "image", *option_names, *file_names, "model", "max_iter", "tol", "history", "uncertainty"
+            ),
         ],
     )
 
@@ -447,6 +510,9 @@ class ModelInfo(BaseModel):
     solver: dict | None
     devices: list[str]
     load_seconds: float | None
+    uncertainty: bool = PydanticField(
+        description="whether its requests may ask for the posterior standard deviation (`uncertainty=true`)"
+    )
 
 
 @router.get(
@@ -475,6 +541,7 @@ async def models(request: Request) -> list[ModelInfo]:
                 solver=c.solver.model_dump() if c else None,
                 devices=sorted(slot.predictors),
                 load_seconds=slot.load_seconds,
+                uncertainty=slot.ready and slot.uncertainty_unsupported is None,
             )
         )
     return out

@@ -455,3 +455,34 @@ def test_a_sample_needs_no_upload_and_the_residual_is_plotted_per_iteration(brow
         assert page.locator("#history-plot polyline.residual").count() == 1, task
     assert not errors, errors
     page.close()
+
+
+def test_the_uncertainty_map_is_drawn_over_the_result_with_a_toggle(browser, server, images) -> None:
+    """The box is offered only for a model that can answer it (GET /models); checked, the result
+    comes with a heat map laid over it, its legend in grey levels, and the toggle hides it."""
+    page, errors = open_page(browser, server.url)
+    page.locator("#model option").nth(1).wait_for(state="attached", timeout=30_000)
+    page.check("input[name=task][value=segment]")
+    assert page.locator("#uncertainty-box").is_hidden()  # the Bernoulli segmenter has none
+    page.check("input[name=task][value=denoise]")
+    page.locator("#uncertainty-box").wait_for()
+    page.select_option("#model", "denoise-stationary-kglm:2")
+    page.check("#uncertainty")
+    page.set_input_files("#file", str(images["denoise"]))
+    page.locator("#run:not([disabled])").wait_for()
+    page.click("#run")
+    page.wait_for_selector("#uncertainty-canvas[data-drawn=true]", state="attached", timeout=120_000)
+    canvas = page.locator("#uncertainty-canvas")
+    assert canvas.is_visible()
+    width = page.evaluate("document.getElementById('uncertainty-canvas').width")
+    assert width == page.evaluate("document.getElementById('result-img').naturalWidth")
+    box, under = canvas.bounding_box(), page.locator("#result-img").bounding_box()
+    assert box == pytest.approx(under, abs=1)  # laid exactly over the result
+    legend = page.inner_text("#uncertainty-legend")
+    assert "grey levels of 255" in legend and "probes" in legend
+    page.uncheck("#show-uncertainty")
+    assert canvas.is_hidden()
+    page.check("#show-uncertainty")
+    assert canvas.is_visible()
+    assert not errors, errors
+    page.close()

@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 
 from kdeq import client as kdeq_client
+from kdeq import scaledpng
 from kdeq.cli import main
 from kdeq.client import (
     AsyncClient,
@@ -155,6 +156,7 @@ def test_every_registered_task_has_a_case_and_a_method(cases) -> None:
                 "max_iter",
                 "tol",
                 "request_id",
+                "uncertainty",
             ]
             assert inspect.iscoroutinefunction(method) == (cls is AsyncClient)
     # refused before anything is sent: no server is listening there
@@ -649,3 +651,60 @@ def test_models_are_read_loaded_and_unloaded_through_the_client(server, tmp_path
         assert gone.serving is None and not gone.ready and code == "no_model"
         assert back.serving == after.serving == "denoise-kglm:2"
         assert c.denoise(image, sigma=20).model == "denoise-kglm:2"
+
+
+def test_uncertainty_comes_back_as_an_array_sync_async_and_from_kdeq_remote(server, client, tmp_path) -> None:
+    """``uncertainty=True`` asks for JSON and reads the map: the image is the one a plain call gets,
+    the map is the service's 16-bit PNG times its scale, and ``kdeq remote --uncertainty`` writes that
+    PNG with its scale inside; a model without a posterior is refused with its code."""
+    image = to_uint8(grey_image())
+    plain = client.denoise(image, sigma=20)
+    asked = client.denoise(image, sigma=20, uncertainty=True)
+    assert np.array_equal(asked.image, plain.image) and plain.uncertainty is None
+    assert (asked.iterations, asked.model, asked.fields) == (plain.iterations, plain.model, plain.fields)
+    u = asked.uncertainty
+    assert u.std.shape == (SIDE, SIDE) and u.std.dtype == np.float32 and (u.std > 0).all()
+    assert not u.exact and u.probes > 0 and 0 < u.error < 0.05
+
+    async def both() -> tuple:
+        async with AsyncClient(server.url, api_key=KEY) as c:
+            return await c.denoise(image, sigma=20, uncertainty=True), await c.inpaint(
+                image, mask=image < 64, uncertainty=True
+            )
+
+    again, holes = asyncio.run(both())
+    np.testing.assert_array_equal(again.uncertainty.std, u.std)  # one seed: the same probes
+    # the inpainter is least certain inside its holes
+    inside = holes.uncertainty.std[image < 64].mean()
+    assert inside > 2 * holes.uncertainty.std[image >= 64].mean()
+    with pytest.raises(InvalidRequestError) as info:
+        client.segment(image, uncertainty=True)
+    assert (info.value.status, info.value.code) == (422, "uncertainty_unsupported")
+    source = write_grey(tmp_path / "a.png", 0)
+    outputs = ["-o", str(tmp_path / "out.png"), "--uncertainty", str(tmp_path / "std.png")]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kdeq",
+            "remote",
+            "--url",
+            server.url,
+            "denoise",
+            str(source),
+            *outputs,
+            "--sigma",
+            "20",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "KDEQ_API_KEY": KEY},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "std max" in done.stdout
+    # written again from the float map: within one 16-bit step of it
+    np.testing.assert_allclose(
+        scaledpng.decode(tmp_path / "std.png"), u.std, rtol=0, atol=u.std.max() / 65535
+    )

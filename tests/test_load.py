@@ -116,10 +116,13 @@ def probed(url: str, stop: threading.Event, period: float = 0.1) -> list[float]:
 
 
 def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
-    """An open load of 6× capacity: refusals (503) within 50 ms, or within three times the p99 of a
-    liveness probe sent beside them (on a machine slowed by a neighbour); accepted requests within
-    the queue's wait; and the next request after the load at its unloaded latency. The solve time
-    that bounds the waits is the slower of two measured beside the load, before and after it."""
+    """An open load of 6× capacity: refusals (503) within 50 ms at the p99, or within three times the
+    slowest liveness probe sent beside them (on a machine slowed by a neighbour; ~80 probes against
+    ~500 refusals, so the probes' maximum lies about as deep in their tail as the refusals' p99, which
+    a stall that holds up several refusals at once reaches and the probes' own p99 may miss);
+    accepted requests within the queue's wait; and the next request after the load at its unloaded
+    latency. The solve time that bounds the waits is the slower of two measured beside the load,
+    before and after it."""
     queue = 4
     with run_server(tmp_path, queue_size=queue, max_batch_size=1) as server:
         pngs = images(128)
@@ -134,7 +137,7 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
                 results = hammer(server.url, pngs, clients=clients, seconds=8.0, interval=clients / offered)
             finally:
                 stop.set()  # the probe ends whatever happened to the load, or the pool would wait for ever
-            probe_p99 = float(np.quantile(probes.result(), 0.99))
+            probe_max = max(probes.result())
         codes = [c for _, _, c, _ in results]
         assert set(codes) <= {200, 503, RESET}, set(codes)
         # a refusal the client could not read for a reset is rare: the 503s are what clients get
@@ -144,7 +147,7 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
         assert len(rejected) > len(accepted) > 0  # offered load far above capacity
         assert all(retry == "1" for _, _, c, retry in results if c == 503)
         p99_rejected = float(np.quantile(rejected, 0.99))
-        assert p99_rejected <= max(0.050, 3.0 * probe_p99), (p99_rejected, probe_p99)
+        assert p99_rejected <= max(0.050, 3.0 * probe_max), (p99_rejected, probe_max)
         # recovery: the next request is served at once, at its unloaded latency
         t0 = time.monotonic()
         assert httpx.post(
@@ -168,8 +171,9 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
         "rejected_503": len(rejected),
         "other": len(results) - len(accepted) - len(rejected),
         "single_solve_ms_before_after": [round(alone * 1e3, 1), round(after * 1e3, 1)],
-        "p99_probe_ms": round(probe_p99 * 1e3, 1),
+        "slowest_probe_ms": round(probe_max * 1e3, 1),
         "p99_rejection_ms": round(p99_rejected * 1e3, 1),
+        "probes": len(probes.result()),
         "p99_accepted_ms": round(p99_accepted * 1e3, 1),
         "recovered_request_ms": round(recovered * 1e3, 1),
     }

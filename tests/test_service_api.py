@@ -13,9 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from kdeq import tiling
+from kdeq import scaledpng, tiling
 from kdeq.repository import load_predictor
-from kdeq.tasks import TASKS
+from kdeq.tasks import TASKS, solve_batch
+from kdeq.tasks import Request as TaskRequest
 from kdeq.tiling import solve_tiled
 from service.app import create_app
 from service.settings import Settings
@@ -92,9 +93,9 @@ def test_metrics_pass_promtool(client: TestClient) -> None:
 def test_openapi_documents_every_parameter_and_error(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     expected = {
-        "/denoise": {"image", "sigma", "model", "max_iter", "tol", "history"},
-        "/inpaint": {"image", "mask", "model", "max_iter", "tol", "history"},
-        "/segment": {"image", "threshold", "output", "model", "max_iter", "tol", "history"},
+        "/denoise": {"image", "sigma", "model", "max_iter", "tol", "history", "uncertainty"},
+        "/inpaint": {"image", "mask", "model", "max_iter", "tol", "history", "uncertainty"},
+        "/segment": {"image", "threshold", "output", "model", "max_iter", "tol", "history", "uncertainty"},
     }
     schemas = spec["components"]["schemas"]
     for path, fields in expected.items():
@@ -530,3 +531,41 @@ def test_lambda_is_in_a_header_as_in_the_json_body(client: TestClient) -> None:
     lam = float(as_png.headers["x-kdeq-lambda"])
     assert lam > 0 and lam == pytest.approx(as_json.json()["lam"], rel=1e-6)
     assert float(as_json.headers["x-kdeq-lambda"]) == lam
+
+
+def test_uncertainty_comes_in_json_as_the_librarys_map_and_is_refused_where_it_cannot(
+    client: TestClient,
+) -> None:
+    """``uncertainty=true``: the 16-bit PNG times its scale is the map ``solve_batch`` gives the
+    same decoded image (itself tested against the dense posterior), the image is the one sent without
+    it, and the models and response types that cannot have one are refused before any solve."""
+    png, _ = grey_png(24, 32)
+    data = {"sigma": "20", "model": "denoise-stationary-kglm"}
+    json_accept = {"Accept": "application/json"}
+    plain = client.post("/denoise", files={"image": png}, data=data, headers=json_accept).json()
+    r = client.post(
+        "/denoise", files={"image": png}, data={**data, "uncertainty": "true"}, headers=json_accept
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert plain["uncertainty"] is None and body["image"] == plain["image"]
+    u = body["uncertainty"]
+    assert not u["exact"] and u["probes"] > 0 and 0 < u["error"] < 0.05
+    std = scaledpng.decode(base64.b64decode(u["png"]), u["scale"])
+    assert std.shape == (24, 32)
+    task = TASKS["denoise"]
+    pixels = (np.asarray(decode(png), dtype=np.float32) / 255)[None]
+    request = TaskRequest(pixels, task.options(sigma=20.0), uncertainty=True)
+    predictor = load_predictor(MODELS / "denoise-stationary-kglm" / "2")
+    want = solve_batch(task, predictor, [request])[0].uncertainty.std
+    assert np.abs(std - want).max() <= u["scale"] * 0.5 + 1e-6 * want.max()
+    models = {m["id"]: m["uncertainty"] for m in client.get("/models").json()}
+    assert models["denoise-kglm:2"] and models["inpaint-kglm:3"] and models["super-resolve-kglm:2"]
+    assert not models["segment-kglm:2"] and not models["deblur-kglm:3"]  # Bernoulli; plug-and-play
+    for route, extra in (("/segment", {}), ("/deblur", {"psf": "gaussian:1.6"})):
+        refused = client.post(
+            route, files={"image": png}, data={**extra, "uncertainty": "true"}, headers=json_accept
+        )
+        assert "Gaussian posterior" in assert_error(refused, 422, "uncertainty_unsupported")["detail"]
+    as_png = client.post("/denoise", files={"image": png}, data={**data, "uncertainty": "true"})
+    assert_error(as_png, 422, "uncertainty_needs_json")

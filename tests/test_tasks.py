@@ -96,6 +96,7 @@ def test_the_openapi_document_declares_each_tasks_fields(client) -> None:
             "max_iter",
             "tol",
             "history",
+            "uncertainty",
         }
         assert set(props) == names
 

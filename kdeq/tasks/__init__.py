@@ -9,7 +9,17 @@ dashboards) iterates over ``TASKS``.
 
 from __future__ import annotations
 
-from kdeq.tasks.base import FileInput, InputError, Options, Request, ResultField, Solved, Task, solve_batch
+from kdeq.tasks.base import (
+    FileInput,
+    InputError,
+    Options,
+    Request,
+    ResultField,
+    Solved,
+    Task,
+    UncertaintyMap,
+    solve_batch,
+)
 
 #: every registered task by name, in registration order
 TASKS: dict[str, Task] = {}
@@ -40,6 +50,7 @@ __all__ = [
     "ResultField",
     "Solved",
     "Task",
+    "UncertaintyMap",
     "get_task",
     "register_task",
     "solve_batch",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import numpy as np
@@ -101,12 +101,33 @@ class Request:
         inputs: the task's other inputs, as its ``prepare`` made them (e.g. the inpainter's
             ``missing`` ``(1, H, W)`` bool, the deblurrer's PSF ``(k, k)``).
         solver: per-request solver limits.
+        uncertainty: whether to return the posterior standard deviation beside the image
+            (``Solved.uncertainty``; the Gaussian tasks only, ``kdeq.uncertainty``).
     """
 
     image: np.ndarray
     options: Options
     inputs: Mapping[str, Any] = field(default_factory=dict)
     solver: SolverOverride | None = None
+    uncertainty: bool = False
+
+
+@dataclass(frozen=True)
+class UncertaintyMap:
+    """A request's posterior standard deviation (``kdeq.uncertainty``).
+
+    Attributes:
+        std: ``sqrt(diag Σ)`` ``(H', W')`` float32 on the output's [0, 1] scale (the same for every
+            channel: one kernel and one operator act on each alike).
+        exact: whether a transform gave it exactly (else the coloured-probe estimate).
+        probes: the probes solved (0 when exact).
+        error: the estimate's own estimate of its mean relative error, or ``None`` when exact.
+    """
+
+    std: np.ndarray
+    exact: bool
+    probes: int
+    error: float | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +143,7 @@ class Solved:
         finite: whether the model's continuous output (``Prediction.output``) is finite everywhere.
         history: the relative residual at each step, when the request asked for it and its solver
             records one (``SolverStats.history``); else ``None``.
+        uncertainty: the posterior standard deviation, when the request asked for it; else ``None``.
     """
 
     output: np.ndarray
@@ -132,6 +154,7 @@ class Solved:
     fields: Mapping[str, float | None]
     finite: bool
     history: list[float] | None = None
+    uncertainty: UncertaintyMap | None = None
 
 
 class Task:
@@ -217,6 +240,14 @@ class Task:
         """Requests whose keys are equal (with equal models and sizes) are solved together."""
         return (request.options, request.solver)
 
+    def arguments(
+        self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
+    ) -> tuple[tuple, dict[str, Any]]:
+        """The positional and keyword arguments of ``predictor.forward`` for the batch ``images``
+        ``(B, c, H, W)`` of ``requests`` (padded to a common size when ``sizes`` is given,
+        ``kdeq.predictor``); the same arguments build its Gaussian posterior (``kdeq.uncertainty``)."""
+        raise NotImplementedError
+
     def run(
         self,
         predictor: Predictor,
@@ -224,9 +255,10 @@ class Task:
         requests: Sequence[Request],
         sizes: list[tuple[int, int]] | None,
     ) -> Prediction:
-        """``predictor``'s prediction for the batch ``images`` ``(B, c, H, W)`` of ``requests`` (padded
-        to a common size when ``sizes`` is given, ``kdeq.predictor``)."""
-        raise NotImplementedError
+        """``predictor``'s prediction for the batch ``images`` ``(B, c, H, W)`` of ``requests``: its
+        ``predict`` on ``arguments``."""
+        args, kwargs = self.arguments(images, requests, sizes)
+        return predictor.predict(*args, **kwargs)
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
         """Sample ``index``'s output ``(c, H', W')`` and ``fields`` values from the batch's
@@ -256,7 +288,7 @@ class Task:
             for k, v in request.inputs.items()
         }
         image = np.ascontiguousarray(request.image[:, rows, cols])
-        return Request(image, request.options, inputs, request.solver)
+        return replace(request, image=image, inputs=inputs)
 
     def warmup(self, size: int) -> Request:
         """A generated ``size``×``size`` request that exercises the whole solve."""
@@ -345,9 +377,24 @@ def noise_levels(requests: Sequence[Request]) -> list[float] | None:
     return [r.options.sigma for r in requests]
 
 
+def uncertainty_map(task: Task, predictor: Predictor, request: Request) -> UncertaintyMap:
+    """``request``'s posterior standard deviation (``kdeq.uncertainty.posterior`` on its own image, at
+    its default probe count, from a generator seeded 0, so that a request's map is reproducible);
+    ``ValueError`` for a model without a Gaussian posterior."""
+    from kdeq.uncertainty import posterior  # the only user of the module here: loaded when asked for
+
+    args, kwargs = task.arguments(torch.from_numpy(request.image)[None], [request], None)
+    found = posterior(predictor, *args, generator=torch.Generator().manual_seed(0), **kwargs)
+    h, w = task.output_size(request)
+    error = None if found.error is None else float(found.error[0])
+    return UncertaintyMap(found.std[0, 0, :h, :w].cpu().numpy(), found.exact, found.probes, error)
+
+
 def solve_batch(task: Task, predictor: Predictor, requests: Sequence[Request]) -> list[Solved]:
     """Solve compatible ``requests`` (equal ``batch_key``) in one ``predict`` call; images of different
-    sizes are padded to a common one (``kdeq.predictor.pad_images``) and each output cropped back."""
+    sizes are padded to a common one (``kdeq.predictor.pad_images``) and each output cropped back.
+    Each request that asks for it gets its ``uncertainty_map``, computed on its own image (the
+    posterior is not batched across sizes; its probes are one batch of solves already)."""
     uniform = len({r.image.shape for r in requests}) == 1
     images, sizes = pad_images([torch.from_numpy(r.image) for r in requests])
     prediction = task.run(predictor, images, requests, None if uniform else sizes)
@@ -377,6 +424,7 @@ def solve_batch(task: Task, predictor: Predictor, requests: Sequence[Request]) -
                 {f.name: values.get(f.name) for f in task.fields},
                 finite,
                 None if history is None else history[b],
+                uncertainty_map(task, predictor, request) if request.uncertainty else None,
             )
         )
     return solved

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -292,18 +293,12 @@ class Deblur(Task):
             request.solver,
         )
 
-    def run(
-        self,
-        predictor: Deblurrer,
-        images: torch.Tensor,
-        requests: Sequence[Request],
-        sizes: list[tuple[int, int]] | None,
-    ) -> Prediction:
+    def arguments(
+        self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
+    ) -> tuple[tuple, dict[str, Any]]:
         first = requests[0]
-        sigma = noise_levels(requests)
-        return predictor.predict(
-            images, torch.from_numpy(first.inputs["psf"]), sigma=sigma, solver=first.solver
-        )
+        psf = torch.from_numpy(first.inputs["psf"])
+        return (images, psf), {"sigma": noise_levels(requests), "solver": first.solver}
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
         return prediction.output[index], {"sigma": float(prediction.sigma[index])}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,21 +58,16 @@ class Denoise(Task):
             options = options.model_copy(update={"sigma": min(estimate, 255.0)})
         # numpy accumulates in float64 without a float64 copy of the image (torch's mean makes one)
         level = request.image.mean(axis=(1, 2), dtype=np.float64).astype(np.float32)
-        return Request(request.image, options, {**request.inputs, "level": level}, request.solver)
+        return replace(request, options=options, inputs={**request.inputs, "level": level})
 
-    def run(
-        self,
-        predictor: Denoiser,
-        images: torch.Tensor,
-        requests: Sequence[Request],
-        sizes: list[tuple[int, int]] | None,
-    ) -> Prediction:
+    def arguments(
+        self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
+    ) -> tuple[tuple, dict[str, Any]]:
         first = requests[0]
-        sigma = noise_levels(requests)
         extra: dict = {} if sizes is None else {"sizes": sizes}
         if "level" in first.inputs:  # tiles of one image (kdeq.tiling), never batched with others
             extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
-        return predictor.predict(images, sigma=sigma, solver=first.solver, **extra)
+        return (images,), {"sigma": noise_levels(requests), "solver": first.solver, **extra}
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
         return prediction.output[index], {"sigma": float(prediction.sigma[index])}

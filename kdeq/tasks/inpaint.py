@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from kdeq.checkpoint import ModelSpec
 from kdeq.inpaint import Inpainter
-from kdeq.predictor import Prediction, SolverOverride, pad_images
+from kdeq.predictor import SolverOverride, pad_images
 from kdeq.tasks import register_task
 from kdeq.tasks.base import FileInput, InputError, Options, Request, Task, check_index_level
 from kdeq.train.data import Corruption, make_mask
@@ -77,16 +78,12 @@ class Inpaint(Task):
     def batch_key(self, request: Request) -> tuple:
         return (request.solver,)
 
-    def run(
-        self,
-        predictor: Inpainter,
-        images: torch.Tensor,
-        requests: Sequence[Request],
-        sizes: list[tuple[int, int]] | None,
-    ) -> Prediction:
+    def arguments(
+        self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
+    ) -> tuple[tuple, dict[str, Any]]:
         missing, _ = pad_images([torch.from_numpy(r.inputs["missing"]) for r in requests])
         extra = {} if sizes is None else {"sizes": sizes}
-        return predictor.predict(images, missing, solver=requests[0].solver, **extra)
+        return (images, missing), {"solver": requests[0].solver, **extra}
 
     def warmup(self, size: int) -> Request:
         rng = np.random.default_rng(0)

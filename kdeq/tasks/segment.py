@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -58,15 +58,11 @@ class Segment(Task):
     def output_alpha(self, request: Request, alpha: object, files: Sequence[str]) -> None:
         return None
 
-    def run(
-        self,
-        predictor: Segmenter,
-        images: torch.Tensor,
-        requests: Sequence[Request],
-        sizes: list[tuple[int, int]] | None,
-    ) -> Prediction:
+    def arguments(
+        self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
+    ) -> tuple[tuple, dict[str, Any]]:
         first = requests[0]
-        return predictor.predict(images, threshold=first.options.threshold, solver=first.solver)
+        return (images,), {"threshold": first.options.threshold, "solver": first.solver}
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
         out = prediction.mask[index].float() if request.options.output == "mask" else prediction.output[index]

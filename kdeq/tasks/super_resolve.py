@@ -16,7 +16,7 @@ With a network (``kdeq.guidenet``, ``condition = "scale"``) the mean is its pilo
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -141,15 +141,11 @@ class SuperResolve(Task):
     def batch_key(self, request: Request) -> Hashable:
         return (request.options.scale, request.solver)
 
-    def run(
-        self,
-        predictor: SuperResolver,
-        images: torch.Tensor,
-        requests: Sequence[Request],
-        sizes: list[tuple[int, int]] | None,
-    ) -> Prediction:
+    def arguments(
+        self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
+    ) -> tuple[tuple, dict[str, Any]]:
         first = requests[0]
-        return predictor.predict(images, scale=first.options.scale, solver=first.solver)
+        return (images,), {"scale": first.options.scale, "solver": first.solver}
 
     def warmup(self, size: int) -> Request:
         rng = np.random.default_rng(0)

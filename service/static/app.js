@@ -177,6 +177,17 @@ function fillModels() {
     if (m.task !== task() || !m.ready) continue;
     select.add(new Option(`${m.id}${m.default ? " (default)" : ""} — ${m.description || ""}`, m.id));
   }
+  updateUncertainty();
+}
+
+function updateUncertainty() {
+  // the uncertainty box is offered for a model whose GET /models entry says it can answer it (the
+  // Gaussian tasks' models, plug-and-play ones excepted); "default" is the task's default model
+  const id = $("model").value;
+  const model = state.models.find((m) => m.task === task() && (id ? m.id === id : m.default));
+  const can = Boolean(model && model.uncertainty);
+  $("uncertainty-box").hidden = !can;
+  $("uncertainty").disabled = !can;
 }
 
 // --- the task list and its option blocks, from GET /tasks ----------------------------------------
@@ -467,7 +478,9 @@ function psfWidget(t, spec) {
 
 function clearResult() {
   state.last = null;
-  for (const id of ["compare", "stats", "history", "download", "actual-size-box"]) $(id).hidden = true;
+  for (const id of ["compare", "stats", "history", "download", "actual-size-box", "uncertainty-view", "uncertainty-canvas"]) {
+    $(id).hidden = true;
+  }
   $("result-img").removeAttribute("src");
   $("result-size").textContent = "";
 }
@@ -573,6 +586,7 @@ async function buildForm(b) {
   if ($("model").value) form.append("model", $("model").value);
   for (const control of b.controls) await control.append(form);
   form.append("history", "true");  // the residual at each iteration, for the plot
+  if (!$("uncertainty").disabled && $("uncertainty").checked) form.append("uncertainty", "true");
   return form;
 }
 
@@ -656,10 +670,56 @@ function showResult(body, headers, elapsedMs, request) {
     `solve ${Math.round(body.timings.inference_seconds * 1000)} ms)`;
   $("stats").hidden = false;
   showHistory(body.solver.history);
+  showUncertainty(body.uncertainty, request);
   const link = $("download");
   link.href = url;
   link.download = `kdeq-${request.task.name}-${request.file.name.replace(/\.[^.]*$/, "")}.png`;
   link.hidden = false;
+}
+
+// the heat map's colour ramp: dark (certain) to bright (uncertain), [position, r, g, b]
+const RAMP = [[0, 0, 0, 4], [1 / 3, 120, 28, 109], [2 / 3, 237, 105, 37], [1, 252, 255, 164]];
+
+function heat(t) {
+  const i = Math.min(RAMP.length - 2, Math.floor(t * (RAMP.length - 1)));
+  const [p0, ...c0] = RAMP[i];
+  const [p1, ...c1] = RAMP[i + 1];
+  const f = Math.min(1, Math.max(0, (t - p0) / (p1 - p0)));
+  return c0.map((c, k) => Math.round(c + f * (c1[k] - c)));
+}
+
+function showUncertainty(u, request) {
+  // the posterior std (a 16-bit PNG whose value × scale is the std on [0, 1]) drawn as a heat map
+  // over the result, scaled to its largest value, with a toggle and a legend in grey levels
+  const canvas = $("uncertainty-canvas");
+  $("uncertainty-view").hidden = !u;
+  canvas.hidden = true;
+  if (!u) return;
+  const img = new Image();
+  img.onload = () => {
+    if (state.last !== request) return;  // a newer result replaced this one
+    canvas.width = img.naturalWidth;
+    canvas.height = img.naturalHeight;
+    const ctx = canvas.getContext("2d");
+    ctx.drawImage(img, 0, 0);
+    const pixels = ctx.getImageData(0, 0, canvas.width, canvas.height);
+    for (let i = 0; i < pixels.data.length; i += 4) {
+      const [r, g, b] = heat(pixels.data[i] / 255);
+      pixels.data.set([r, g, b, 215], i);
+    }
+    ctx.putImageData(pixels, 0, 0);
+    canvas.dataset.drawn = "true";
+    canvas.hidden = !$("show-uncertainty").checked;
+  };
+  canvas.dataset.drawn = "false";
+  img.src = `data:image/png;base64,${u.png}`;
+  const top = 65535 * u.scale * 255;  // the largest std, in grey levels of 255
+  const how = u.exact ? "exact" : `estimated with ${u.probes} probes, about ${(100 * (u.error || 0)).toPrecision(2)} % error`;
+  $("uncertainty-legend").replaceChildren(
+    "posterior standard deviation: 0",
+    el("span", { className: "ramp", "aria-hidden": "true" }),
+    `${top.toPrecision(3)} grey levels of 255 (${how})`,
+  );
 }
 
 const SVG = "http://www.w3.org/2000/svg";
@@ -753,6 +813,11 @@ function setup() {
     loadModels();
   });
   $("actual-size").addEventListener("change", showActualSize);
+  $("model").addEventListener("change", updateUncertainty);
+  $("show-uncertainty").addEventListener("change", () => {
+    const canvas = $("uncertainty-canvas");
+    canvas.hidden = !$("show-uncertainty").checked || canvas.dataset.drawn !== "true";
+  });
   $("compare-slider").addEventListener("input", updateCompare);
   $("compare-before").addEventListener("load", updateCompare);
   window.addEventListener("resize", updateCompare);
