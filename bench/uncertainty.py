@@ -1,8 +1,8 @@
 """Posterior standard-deviation maps (``kdeq.uncertainty``): what they cost per request and how well
 they cover the true error on real images, for every shipped model that has one.
 
-    .venv-bench/bin/python bench/uncertainty.py [--crop 128] [--images 12] [--fit 12] [--cost-size 256]
-        [--out FILE]
+    .venv/bin/python bench/uncertainty.py [--crop 128] [--images 12] [--fit 12] [--cost-size 256]
+        [--models NAME,…] [--skip-coverage] [--out FILE]
 
 Every figure goes through ``solve_batch`` with ``Request.uncertainty`` (the service's and the CLI's
 path), at its default probe count and seed.
@@ -19,8 +19,9 @@ path), at its default probe count and seed.
 Corruptions (seed = image index): denoise ``σ = 25`` (the model is told it); inpaint 50 % of the
 pixels missing at random; deblur a Gaussian PSF of std 1.6 with a symmetric border, then ``σ = 2.55``
 (told); super-resolve ×2 by kdeq's bicubic degradation, no noise (scored on the high-resolution
-crop). Needs ``../shared/data``; the plug-and-play deblurrer and the segmenter have no map and are
-listed as such.
+crop); segment: the clean image itself (its cost only: the segmenter's map is the std of a
+probability, which has no clean counterpart to cover). ``--models`` keeps the models whose names
+are listed. Needs ``../shared/data``; the plug-and-play deblurrer has no map and is listed as such.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def corrupt(task: str, x: np.ndarray, seed: int) -> Case:
         with torch.no_grad():
             lr = degrade(torch.from_numpy(hr)[None].double(), SCALE)[0].float().numpy()
         return Case(Request(np.ascontiguousarray(lr), t.options(scale=SCALE)), hr)
+    if task == "segment":
+        return Case(Request(x, t.options(output="probability")), x)
     raise KeyError(task)
 
 
@@ -111,10 +114,13 @@ def coverage(z: np.ndarray, factor: float = 1.0) -> float:
     return float((z <= 1.96 * factor).mean())
 
 
-def models(root: Path) -> list[tuple[str, Predictor | None, str | None]]:
-    """Every shipped checkpoint: ``(id, predictor, why it has no map or None)``."""
+def models(root: Path, names: set[str] | None) -> list[tuple[str, Predictor | None, str | None]]:
+    """Every shipped checkpoint (of the models ``names``, all when ``None``): ``(id, predictor, why it
+    has no map or None)``."""
     found = []
     for config in sorted(root.glob("*/*/config.json")):
+        if names is not None and config.parent.parent.name not in names:
+            continue
         p = load_predictor(config.parent)
         found.append((f"{config.parent.parent.name}:{config.parent.name}", p, unsupported(p)))
     return found
@@ -168,6 +174,9 @@ def coverage_table(shipped: list, side: int, count: int, fit: int) -> list[str]:
         if why is not None:
             rows.append(f"| `{ident}` | no map: {why} | | | | | | |")
             continue
+        if p.task == "segment":
+            rows.append(f"| `{ident}` | a probability's std: nothing clean to cover | | | | | | |")
+            continue
         zfit = ratios(p, [corrupt(p.task, x, 1000 + i) for i, x in enumerate(train)])
         c = float(np.quantile(zfit, 0.95)) / 1.96
         cells = []
@@ -188,6 +197,7 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=12)
     parser.add_argument("--fit", type=int, default=12)
     parser.add_argument("--cost-size", type=int, default=256)
+    parser.add_argument("--models", help="comma-separated model names (default: every shipped model)")
     parser.add_argument("--skip-coverage", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -197,7 +207,7 @@ def main() -> None:
         f"torch {torch.__version__}"
     )
     print(head, flush=True)
-    shipped = models(default_models_dir())
+    shipped = models(default_models_dir(), None if args.models is None else set(args.models.split(",")))
     rows = [head, "", *cost_table(shipped, args.cost_size), ""]
     if not args.skip_coverage:
         rows += coverage_table(shipped, args.crop, args.images, args.fit)

@@ -58,7 +58,7 @@ from kdeq.tasks import TASKS, Solved, Task
 from kdeq.tiling import TILE_SIZE
 from kdeq.train import calibrate, init_compare
 from kdeq.train import cli as train_cli
-from kdeq.uncertainty import unsupported
+from kdeq.uncertainty import POSTERIORS, unsupported
 
 
 def test_image(size: int) -> torch.Tensor:
@@ -147,7 +147,7 @@ def add_task_command_arguments(
     parser.add_argument("--model", help=model_help)
     parser.add_argument("--tol", type=float, help="solver tolerance override")
     parser.add_argument("--max-iter", type=int, help="solver iteration cap override")
-    if task.family == "gaussian":
+    if task.name in POSTERIORS:
         parser.add_argument(
             "--uncertainty",
             metavar="OUT",

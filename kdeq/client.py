@@ -512,7 +512,7 @@ class Client(_Base):
         """``task``'s ``Result`` for ``image`` with the task's options and file inputs ``inputs``; ``model``
         (``NAME`` or ``NAME:VERSION``, default the service's for the task), solver limits ``max_iter`` and
         ``tol``, ``uncertainty`` to have the output's posterior standard deviation too
-        (``Result.uncertainty``; the Gaussian tasks' models), and ``request_id`` sent as
+        (``Result.uncertainty``; the models with a posterior map), and ``request_id`` sent as
         ``X-Request-ID`` (default a random one). ``KdeqError`` when refused."""
         call = _call(get_task(task), image, inputs, model, max_iter, tol, request_id, uncertainty)
         deadline = time.monotonic() + self.retry_budget

@@ -4,7 +4,9 @@ An operator maps images ``(B, c, H, W)`` to observations ``(B, c, H', W')``, app
 single-channel map to every channel, and has an exact adjoint ``Aᵀ`` (DESIGN §2 fact 8):
 
 - ``Identity``: denoising, ``A = I``.
-- ``Restriction``: inpainting, ``A = M = diag(mask)`` kept on the full grid (as ``kdeq.inpaint``).
+- ``Diagonal``: ``A = diag(d)``, a weight per pixel (the segmenter's Laplace approximation,
+  ``kdeq.uncertainty``); ``Restriction``: inpainting, ``A = M = diag(mask)`` kept on the full grid
+  (as ``kdeq.inpaint``).
 - ``Blur``: deblurring, ``A = H`` the convolution with a PSF (``kdeq.psf``) under a border rule.
 - ``BlurSubsample``: super-resolution, ``A = S H`` the separable bicubic degradation of
   ``kdeq.psf.bicubic_taps`` (MATLAB's ``imresize(f, 1/s, 'bicubic')``).
@@ -121,24 +123,36 @@ class Identity(Operator):
         return y
 
 
-class Restriction(Operator):
-    """``A = M = diag(mask)`` on the full grid (inpainting): ``A x = mask ⊙ x``, self-adjoint.
+class Diagonal(Operator):
+    """``A = diag(d)`` on the full grid: ``A x = d ⊙ x``, self-adjoint.
+
+    Args:
+        weights: ``d`` ``(B, 1, H, W)``, shared by the channels.
+    """
+
+    def __init__(self, weights: torch.Tensor) -> None:
+        if weights.dim() != 4 or weights.shape[1] != 1:
+            raise ValueError(f"the weights must be (B, 1, H, W), got {tuple(weights.shape)}")
+        self.weights = weights
+        self.batch = weights.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weights.to(x)
+
+    def adjoint(self, y: torch.Tensor) -> torch.Tensor:
+        return self.forward(y)
+
+
+class Restriction(Diagonal):
+    """``A = M = diag(mask)`` on the full grid (inpainting): ``A x = mask ⊙ x``.
 
     Args:
         observed: ``(B, 1, H, W)``, 1 on observed pixels and 0 elsewhere, shared by the channels.
     """
 
     def __init__(self, observed: torch.Tensor) -> None:
-        if observed.dim() != 4 or observed.shape[1] != 1:
-            raise ValueError(f"observed must be (B, 1, H, W), got {tuple(observed.shape)}")
+        super().__init__(observed)
         self.observed = observed
-        self.batch = observed.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.observed.to(x)
-
-    def adjoint(self, y: torch.Tensor) -> torch.Tensor:
-        return self.forward(y)
 
 
 #: filters with more taps than this are applied by FFT (on the CPU a one-channel conv2d of a 15×15
@@ -354,8 +368,8 @@ class Sandwich(nn.Module):
         centre (``ĉ`` its DFT, real since ``c`` is point-symmetric). Blur and subsampled blur are
         shift-invariant on the observation grid, so this is exact away from the border; it is SPD
         (``ĉ ≥ 0`` after clamping rounding, ``s < 0``), as CG needs."""
-        if isinstance(self.op, Restriction):
-            return lambda r: r  # a per-pixel mask is not shift-invariant
+        if isinstance(self.op, Diagonal):
+            return lambda r: r  # a per-pixel mask or weight is not shift-invariant
         h, w = size
         impulse = torch.zeros(1, 1, h, w, dtype=self.scale.dtype, device=self.scale.device)
         impulse[..., h // 2, w // 2] = 1.0

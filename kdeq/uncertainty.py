@@ -1,4 +1,5 @@
-"""Per-pixel posterior uncertainty of the Gaussian tasks (DESIGN §2 facts 6, 8 and 9).
+"""Per-pixel posterior uncertainty of the Gaussian tasks (DESIGN §2 facts 6, 8 and 9), and of the
+segmenter's latent by Laplace's approximation.
 
 For a Gaussian task the model's output is the posterior mean of ``f ~ GP(m, s² K)`` observed as
 ``y = A f + ε``, ``ε ~ N(0, λ s² I)`` (``λ = σ²/s²``, fact 6). Its posterior covariance is
@@ -68,9 +69,19 @@ the image's own guide taken as given (for the guided deblurrer: given the first 
 the posterior of ``f`` given the noisy observation (below the noise's ``√(λ s²)``), which a caller may
 zero.
 
+The Bernoulli segmenter's latent ``η`` (``kdeq.segment``: ``η ~ GP(m, K/λ)``, labels
+``t ~ Bernoulli(σ(η))``) has no Gaussian posterior, but its equilibrium ``η̂ = (K/λ)(t − π) + m``,
+``π = σ(η̂)``, is the posterior's mode, and Laplace's approximation there (Rasmussen and Williams
+2006, §3.4) is Gaussian with covariance ``(λK⁻¹ + W)⁻¹``, ``W = diag(π(1 − π))``. By Woodbury that is
+``Σ`` above with ``A = W^{1/2}`` and ``s² = 1/λ``, so the same estimators give the latent's std;
+the returned map is the probability's, ``π(1 − π)·std(η)`` (the delta method: ``dπ/dη = π(1 − π)``),
+with the latent's in ``Uncertainty.latent``. It is approximate twice over: Laplace's Gaussian for a
+skewed posterior, and the linearised probability, which is tight near ``π = ½`` and small where the
+model is sure.
+
 Tasks register a builder of their ``GaussianPosterior`` by name (``register_posterior``), as tasks
-register themselves in ``kdeq.tasks``; the Bernoulli segmenter and the plug-and-play deblurrer have
-no Gaussian posterior and are refused.
+register themselves in ``kdeq.tasks``; the plug-and-play deblurrer has no Gaussian posterior and is
+refused.
 """
 
 from __future__ import annotations
@@ -88,7 +99,7 @@ from kdeq.checkpoint import GuidedArchitecture, NoiseLambda
 from kdeq.conv import Stationary
 from kdeq.linear import Negated, solve_affine
 from kdeq.noise import estimate_sigma
-from kdeq.operators import Blur, BlurSubsample, Identity, KernelMap, Operator, Restriction, Sandwich
+from kdeq.operators import Blur, BlurSubsample, Diagonal, Identity, KernelMap, Operator, Restriction, Sandwich
 from kdeq.predictor import Predictor
 from kdeq.solvers import SolverConfig
 from kdeq.transforms import dct_symbol, is_axis_even
@@ -115,6 +126,9 @@ class GaussianPosterior:
         stationary: ``K`` as one filter with its border (``kdeq.conv.Stationary``), for the exact
             transform path; ``None`` for a non-stationary kernel.
         spacing: the probes' colouring period ``d`` (``probe_spacing``).
+        scale: ``∂output/∂f`` ``(B, 1, H, W)`` where the output is a function of the Gaussian ``f``
+            (the segmenter's ``π(1 − π)``): the std is multiplied by it (the delta method); ``None``
+            where the output is ``f`` itself.
     """
 
     kernel: Callable[[torch.Tensor], torch.Tensor]
@@ -125,6 +139,7 @@ class GaussianPosterior:
     shape: tuple[int, int, int, int]
     stationary: Stationary | None = None
     spacing: int = 6
+    scale: torch.Tensor | None = None
 
 
 #: the largest default colouring period: 81 colours, 162 probes at two rounds
@@ -152,6 +167,9 @@ class Uncertainty:
         probes: probes used (0 when exact).
         error: the probing estimate's own estimate of the mean relative error of ``std`` per sample
             ``(B,)`` (from the spread between rounds), or ``None`` (exact, or a single round).
+        latent: where the output is a function of the Gaussian (``GaussianPosterior.scale``), the
+            Gaussian's own ``sqrt(diag Σ)`` ``(B, c, H, W)`` float32 (the segmenter's logit); else
+            ``None``.
     """
 
     std: torch.Tensor
@@ -159,6 +177,7 @@ class Uncertainty:
     exact: bool
     probes: int
     error: torch.Tensor | None = None
+    latent: torch.Tensor | None = None
 
 
 Builder = Callable[..., GaussianPosterior]
@@ -224,7 +243,9 @@ def posterior(
     ``rounds × spacing²`` coloured Rademacher probes (module docstring) drawn from ``generator``;
     ``spacing`` defaults to the model's ``probe_spacing``. ``amplitude`` overrides ``s²`` (scalar or
     ``(B,)``). One image size per batch (no ``sizes``); a ``solver`` override is accepted and ignored
-    (the inner solves use ``INNER_SOLVER``). The whole batch shares one draw of probes."""
+    (the inner solves use ``INNER_SOLVER``). The whole batch shares one draw of probes. Where the
+    output is a function of the Gaussian (the segmenter), ``std`` is the output's by the delta method
+    and ``latent`` the Gaussian's."""
     if (spacing is not None and spacing < 1) or rounds < 1:
         raise ValueError("spacing and rounds must be at least 1")
     post = gaussian_posterior(predictor, *args, **kwargs)
@@ -237,8 +258,13 @@ def posterior(
             if post.amplitude is None:
                 post = _with_amplitude(post, _ml_amplitude(post, _solve(post, post.centred)))
             var = post.amplitude.reshape(-1, 1, 1, 1) * exact
-            return Uncertainty(_std(var, post.shape), post.amplitude.float(), True, 0)
-        return _probed(post, spacing or post.spacing, rounds, generator)
+            found = Uncertainty(_std(var, post.shape), post.amplitude.float(), True, 0)
+        else:
+            found = _probed(post, spacing or post.spacing, rounds, generator)
+        if post.scale is None:
+            return found
+        std = (found.std * post.scale.float()).contiguous()
+        return dataclasses.replace(found, std=std, latent=found.std)
 
 
 def posterior_std(predictor: Predictor, *args: object, **kwargs: object) -> torch.Tensor:
@@ -533,6 +559,22 @@ def _super_resolve(
     spacing = probe_spacing(stationary.taps.shape[-1] // 2, scale)
     shape = (bsz, c, scale * h, scale * w)
     return GaussianPosterior(kernel, op, lam, None, centred, shape, stationary, spacing)
+
+
+@register_posterior("segment")
+def _segment(
+    predictor: Predictor, images: torch.Tensor, threshold: float | None = None, solver: object = None
+) -> GaussianPosterior:
+    """Laplace's approximation at the equilibrium (module docstring): ``A = W^{1/2}``,
+    ``W = diag(π(1 − π))`` of the solved probability ``π``; ``K`` the bank; ``s² = 1/λ``; the std
+    mapped to the probability by ``π(1 − π)``."""
+    prob = predictor.forward(images, threshold, solver).output.double()
+    weight = prob * (1 - prob)
+    lam = predictor.lam(torch.zeros(prob.shape[0], device=prob.device)).double()
+    kernel, stationary = _conv_kernel(predictor, prob.shape[0])
+    spacing = probe_spacing(stationary.taps.shape[-1] // 2)
+    op = Diagonal(weight.sqrt())
+    return GaussianPosterior(kernel, op, lam, 1 / lam, None, tuple(prob.shape), stationary, spacing, weight)
 
 
 __all__ = [

@@ -196,13 +196,13 @@ UncertaintyField = Annotated[
     bool,
     Form(
         description="also return the output's posterior standard deviation (JSON only: `uncertainty`; "
-        "the Gaussian tasks' models)"
+        "the Gaussian tasks' models and the segmenter, by Laplace's approximation)"
     ),
 ]
 
 
 def _check_uncertainty(slot: ModelSlot, request: Request) -> None:
-    """422 where ``uncertainty=true`` cannot be answered: the model has no Gaussian posterior, or the
+    """422 where ``uncertainty=true`` cannot be answered: the model has no posterior map, or the
     response would be a PNG (it has no room for a second image)."""
     reason = slot.uncertainty_unsupported
     if reason is not None:

@@ -462,8 +462,8 @@ def test_the_uncertainty_map_is_drawn_over_the_result_with_a_toggle(browser, ser
     comes with a heat map laid over it, its legend in grey levels, and the toggle hides it."""
     page, errors = open_page(browser, server.url)
     page.locator("#model option").nth(1).wait_for(state="attached", timeout=30_000)
-    page.check("input[name=task][value=segment]")
-    assert page.locator("#uncertainty-box").is_hidden()  # the Bernoulli segmenter has none
+    page.check("input[name=task][value=deblur]")
+    assert page.locator("#uncertainty-box").is_hidden()  # the default deblurrer is plug-and-play: none
     page.check("input[name=task][value=denoise]")
     page.locator("#uncertainty-box").wait_for()
     page.select_option("#model", "denoise-stationary-kglm:2")

@@ -678,7 +678,7 @@ def test_uncertainty_comes_back_as_an_array_sync_async_and_from_kdeq_remote(serv
     inside = holes.uncertainty.std[image < 64].mean()
     assert inside > 2 * holes.uncertainty.std[image >= 64].mean()
     with pytest.raises(InvalidRequestError) as info:
-        client.segment(image, uncertainty=True)
+        client.deblur(image, psf="gaussian:1.6", uncertainty=True)  # the default: plug-and-play
     assert (info.value.status, info.value.code) == (422, "uncertainty_unsupported")
     source = write_grey(tmp_path / "a.png", 0)
     outputs = ["-o", str(tmp_path / "out.png"), "--uncertainty", str(tmp_path / "std.png")]

@@ -561,11 +561,10 @@ def test_uncertainty_comes_in_json_as_the_librarys_map_and_is_refused_where_it_c
     assert np.abs(std - want).max() <= u["scale"] * 0.5 + 1e-6 * want.max()
     models = {m["id"]: m["uncertainty"] for m in client.get("/models").json()}
     assert models["denoise-kglm:2"] and models["inpaint-kglm:3"] and models["super-resolve-kglm:2"]
-    assert not models["segment-kglm:2"] and not models["deblur-kglm:3"]  # Bernoulli; plug-and-play
-    for route, extra in (("/segment", {}), ("/deblur", {"psf": "gaussian:1.6"})):
-        refused = client.post(
-            route, files={"image": png}, data={**extra, "uncertainty": "true"}, headers=json_accept
-        )
-        assert "Gaussian posterior" in assert_error(refused, 422, "uncertainty_unsupported")["detail"]
+    assert models["segment-kglm:2"]  # Laplace's approximation
+    assert not models["deblur-kglm:3"]  # plug-and-play
+    asked = {"psf": "gaussian:1.6", "uncertainty": "true"}
+    refused = client.post("/deblur", files={"image": png}, data=asked, headers=json_accept)
+    assert "plug-and-play" in assert_error(refused, 422, "uncertainty_unsupported")["detail"]
     as_png = client.post("/denoise", files={"image": png}, data={**data, "uncertainty": "true"})
     assert_error(as_png, 422, "uncertainty_needs_json")

@@ -17,7 +17,7 @@ from kdeq import scaledpng, tiling
 from kdeq.cli import main
 from kdeq.psf import parse_psf
 from kdeq.tasks import TASKS, Request, solve_batch
-from kdeq.uncertainty import unsupported
+from kdeq.uncertainty import posterior, unsupported
 from tests.test_uncertainty import latest, reference_std, scene
 
 SIDE = 16
@@ -123,12 +123,35 @@ def test_a_tiled_requests_map_is_its_tiles_put_together() -> None:
     assert rel.mean() < 0.03, rel.mean()
 
 
+def test_the_segmenters_map_through_a_request_and_the_cli(tmp_path: Path, capsys) -> None:
+    """The segmenter's Laplace map (``kdeq.uncertainty``, tested against the dense covariance there)
+    comes with a request, leaves its solve alone, and the CLI writes it."""
+    task, predictor = TASKS["segment"], latest("segment-kglm")
+    x = image()
+    request = Request(x, task.options(output="probability"))
+    plain = solve_batch(task, predictor, [request])[0]
+    asked = solve_batch(task, predictor, [asking(request)])[0]
+    np.testing.assert_array_equal(asked.output, plain.output)
+    found = asked.uncertainty
+    want = posterior(predictor, torch.from_numpy(x)[None], generator=torch.Generator().manual_seed(0))
+    np.testing.assert_array_equal(found.std, want.std[0, 0].numpy())
+    assert not found.exact and found.probes == want.probes and 0 < found.error < 0.05
+    # a probability's std is at most that of a coin, and largest where the model is least sure
+    prob = plain.output[0]
+    assert found.std.max() <= 0.5
+    assert found.std[np.abs(prob - 0.5) < 0.2].mean() > found.std[np.abs(prob - 0.5) > 0.45].mean()
+    source = write(tmp_path / "a.png", x)
+    out = ["-o", str(tmp_path / "m.png"), "--uncertainty", str(tmp_path / "s.png")]
+    assert main(["segment", str(source), *out]) == 0
+    assert "std max" in capsys.readouterr().out
+    assert scaledpng.decode(tmp_path / "s.png").shape == (SIDE, SIDE)
+
+
 def test_models_without_a_gaussian_posterior_say_why() -> None:
-    assert "no Gaussian posterior" in unsupported(latest("segment-kglm"))
     assert "plug-and-play" in unsupported(latest("deblur-kglm"))  # the default deblurrer (version 3)
-    request = asking(TASKS["segment"].warmup(SIDE))
-    with pytest.raises(ValueError, match="no Gaussian posterior"):
-        solve_batch(TASKS["segment"], latest("segment-kglm"), [request])
+    request = asking(TASKS["deblur"].warmup(SIDE))
+    with pytest.raises(ValueError, match="plug-and-play"):
+        solve_batch(TASKS["deblur"], latest("deblur-kglm"), [request])
 
 
 # --- the file format ---------------------------------------------------------------------------------
@@ -196,7 +219,7 @@ def test_cli_writes_each_inputs_map_beside_its_output(tmp_path: Path, capsys) ->
     assert sorted(p.name for p in stds.iterdir()) == ["a.png", "b.png"]
     np.testing.assert_allclose(scaledpng.decode(stds / "a.png"), back, rtol=0, atol=1e-12)
     capsys.readouterr()
-    # refused: a map over an output, a model without a posterior, a task without the flag
+    # refused: a map over an output, a model without a posterior
     assert (
         main(
             [
@@ -227,15 +250,3 @@ def test_cli_writes_each_inputs_map_beside_its_output(tmp_path: Path, capsys) ->
         == 2
     )
     assert "plug-and-play" in capsys.readouterr().err and not (tmp_path / "y.png").exists()
-    with pytest.raises(SystemExit) as exit_:
-        main(
-            [
-                "segment",
-                str(inputs[0]),
-                "-o",
-                str(tmp_path / "w.png"),
-                "--uncertainty",
-                str(tmp_path / "v.png"),
-            ]
-        )
-    assert exit_.value.code == 2

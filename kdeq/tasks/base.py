@@ -102,7 +102,7 @@ class Request:
             ``missing`` ``(1, H, W)`` bool, the deblurrer's PSF ``(k, k)``).
         solver: per-request solver limits.
         uncertainty: whether to return the posterior standard deviation beside the image
-            (``Solved.uncertainty``; the Gaussian tasks only, ``kdeq.uncertainty``).
+            (``Solved.uncertainty``; the tasks with a posterior, ``kdeq.uncertainty``).
     """
 
     image: np.ndarray
@@ -380,7 +380,7 @@ def noise_levels(requests: Sequence[Request]) -> list[float] | None:
 def uncertainty_map(task: Task, predictor: Predictor, request: Request) -> UncertaintyMap:
     """``request``'s posterior standard deviation (``kdeq.uncertainty.posterior`` on its own image, at
     its default probe count, from a generator seeded 0, so that a request's map is reproducible);
-    ``ValueError`` for a model without a Gaussian posterior."""
+    ``ValueError`` for a model without a posterior map."""
     from kdeq.uncertainty import posterior  # the only user of the module here: loaded when asked for
 
     args, kwargs = task.arguments(torch.from_numpy(request.image)[None], [request], None)

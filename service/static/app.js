@@ -182,7 +182,8 @@ function fillModels() {
 
 function updateUncertainty() {
   // the uncertainty box is offered for a model whose GET /models entry says it can answer it (the
-  // Gaussian tasks' models, plug-and-play ones excepted); "default" is the task's default model
+  // Gaussian tasks' models and the segmenter, plug-and-play deblurrers excepted); "default" is the
+  // task's default model
   const id = $("model").value;
   const model = state.models.find((m) => m.task === task() && (id ? m.id === id : m.default));
   const can = Boolean(model && model.uncertainty);
