@@ -118,8 +118,8 @@ def probed(url: str, stop: threading.Event, period: float = 0.1) -> list[float]:
 def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
     """An open load of 6× capacity: refusals (503) within 50 ms at the p99, or within three times the
     slowest liveness probe sent beside them (on a machine slowed by a neighbour; ~80 probes against
-    ~500 refusals, so the probes' maximum lies about as deep in their tail as the refusals' p99, which
-    a stall that holds up several refusals at once reaches and the probes' own p99 may miss);
+    200–500 refusals, so the probes' maximum lies about as deep in their tail as the refusals' p99,
+    which a stall that holds up several refusals at once reaches and the probes' own p99 may miss);
     accepted requests within the queue's wait; and the next request after the load at its unloaded
     latency. The solve time that bounds the waits is the slower of two measured beside the load,
     before and after it."""
