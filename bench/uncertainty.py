@@ -27,6 +27,7 @@ are listed. Needs ``../shared/data``; the plug-and-play deblurrer has no map and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import sys
@@ -43,7 +44,7 @@ import baselines as B
 from kdeq.predictor import Predictor
 from kdeq.psf import parse_psf
 from kdeq.repository import default_models_dir, load_predictor
-from kdeq.tasks import TASKS, Request, solve_batch
+from kdeq.tasks import TASKS, Request, Solved, solve_batch
 from kdeq.tasks.super_resolve import degrade
 from kdeq.uncertainty import unsupported
 
@@ -94,18 +95,18 @@ def corrupt(task: str, x: np.ndarray, seed: int) -> Case:
     raise KeyError(task)
 
 
-def solve(predictor: Predictor, case: Case, uncertainty: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """The output ``(c, H', W')`` and, when asked for, the map ``(H', W')``."""
-    request = Request(case.request.image, case.request.options, case.request.inputs, uncertainty=uncertainty)
-    done = solve_batch(TASKS[predictor.task], predictor, [request])[0]
-    return done.output, None if done.uncertainty is None else done.uncertainty.std
+def solve(predictor: Predictor, case: Case, uncertainty: bool) -> Solved:
+    """``case``'s request solved (with its map, ``Solved.uncertainty``, when ``uncertainty``)."""
+    request = dataclasses.replace(case.request, uncertainty=uncertainty)
+    return solve_batch(TASKS[predictor.task], predictor, [request])[0]
 
 
 def ratios(predictor: Predictor, cases: list[Case]) -> np.ndarray:
     """``|f − x|/std`` over every pixel of ``cases`` (flattened)."""
     out = []
     for case in cases:
-        f, std = solve(predictor, case, True)
+        done = solve(predictor, case, True)
+        f, std = done.output, done.uncertainty.std
         out.append((np.abs(f - case.clean) / np.maximum(std, 1e-12)[None]).ravel())
     return np.concatenate(out)
 
@@ -143,15 +144,13 @@ def cost_table(shipped: list, size: int) -> list[str]:
         case = corrupt(task, x, 0)
         times = {}
         for asked in (False, True):
-            solve(p, case, asked)  # warm
+            found = solve(p, case, asked).uncertainty  # warm; its map says how it was computed
             runs = []
             for _ in range(3):
                 start = time.perf_counter()
                 solve(p, case, asked)
                 runs.append(time.perf_counter() - start)
             times[asked] = statistics.median(runs)
-        request = Request(case.request.image, case.request.options, case.request.inputs, uncertainty=True)
-        found = solve_batch(TASKS[task], p, [request])[0].uncertainty
         probes = "exact" if found.exact else str(found.probes)
         ratio = times[True] / times[False]
         cells = f"{times[False]:.3f} | {times[True]:.2f} | {ratio:.0f}×"

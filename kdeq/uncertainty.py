@@ -106,7 +106,7 @@ from kdeq.transforms import dct_symbol, is_axis_even
 
 #: the inner CG's settings, in float64 (the variance is a difference that cancels by up to 1/λ): at a
 #: relative residual of 1e-6 the maps of the default denoisers at 256², σ = 25, are within 5·10⁻⁷ of
-#: those at 1e-10 (relative, every pixel) for a quarter to three quarters of the time
+#: those at 1e-10 (relative, every pixel), in a quarter to three quarters of the time
 INNER_SOLVER = SolverConfig(method="cg", tol=1e-6, max_iter=2000, atol=1e-30)
 
 
