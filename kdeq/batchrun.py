@@ -21,24 +21,30 @@ import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
+import torch
 
 from kdeq import tiling
-from kdeq.imageio import read_image, read_mask
+from kdeq.imageio import read_counts, read_image, read_mask
 from kdeq.predictor import Predictor, SolverOverride
 from kdeq.tasks import InputError, Options, Request, Solved, Task, solve_batch
+
+T = TypeVar("T")
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp")
 
 
 @dataclass(frozen=True)
 class Job:
-    """One input file, where its output goes, and its prepared request."""
+    """One input file, where its output goes, its prepared request, and the bit depth its output is
+    written in (its input's for a task of photon counts, else 8)."""
 
     source: Path
     out: Path
     request: Request
+    bits: int = 8
 
 
 def outputs(inputs: Sequence[Path], out: Path) -> list[Path]:
@@ -87,19 +93,31 @@ def plan(
                 path = matched_file(files[spec.name], source)
                 reader = read_mask if spec.kind == "mask" else read_image
                 given[spec.name] = _read(reader, path)
-        image = _read(read_image, source)
+        bits = 8
+        if task.counts:  # the values as stored: nothing is lost at low light
+            found, full_scale = _opened(read_counts, source)
+            image, bits = found[0].numpy(), 16 if full_scale > 255 else 8
+        else:
+            image = _read(read_image, source)
         try:
-            request = task.prepare(image, None, options, given, override)
+            request = replace(task.prepare(image, None, options, given, override), uncertainty=uncertainty)
+            if uncertainty:
+                task.check_uncertainty(request)
         except InputError as err:
             raise ValueError(f"{source}: {err.detail}") from None
-        jobs.append(Job(source, target, replace(request, uncertainty=uncertainty)))
+        jobs.append(Job(source, target, request, bits))
     return jobs
 
 
-def _read(reader: Callable[[Path], object], path: Path) -> np.ndarray:
+def _read(reader: Callable[[Path], torch.Tensor], path: Path) -> np.ndarray:
     """``reader(path)``'s ``(c, H, W)`` array; ``ValueError`` naming the file when it is not an image."""
+    return _opened(reader, path)[0].numpy()
+
+
+def _opened(reader: Callable[[Path], T], path: Path) -> T:
+    """``reader(path)``; ``ValueError`` naming the file when it is not an image."""
     try:
-        return reader(path)[0].numpy()
+        return reader(path)
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
     except OSError as err:  # PIL's UnidentifiedImageError is an OSError

@@ -219,7 +219,7 @@ class ModelConfig(ModelSpec):
     """The contents of ``config.json``."""
 
     format_version: int
-    family: Literal["gaussian", "bernoulli"]
+    family: Literal["gaussian", "bernoulli", "poisson"]
     provenance: Provenance = Provenance()
     weights_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 

@@ -205,7 +205,7 @@ def _run_model(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.clear()
         for job, result in zip(batch, solved, strict=True):
-            write_png(job.out, torch.from_numpy(result.output))
+            write_png(job.out, torch.from_numpy(result.output), job.bits)
             if stds is not None:
                 scaledpng.write(stds[job.source], result.uncertainty.std)
             where = f"{seconds / len(batch) * 1e3:.0f} ms"

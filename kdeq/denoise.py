@@ -167,6 +167,21 @@ class Denoiser(Predictor):
         # pilot's own loss, which keeps training at the cost of the no-autograd kernel
         return pilot_image.detach(), pilot_image
 
+    def guided_operator(
+        self, x: torch.Tensor, s: torch.Tensor, sizes: Sizes | None = None, level: torch.Tensor | None = None
+    ) -> tuple[GuidedOperator, torch.Tensor | None]:
+        """The adaptive kernel ``K`` of the guide of images ``x`` ``(B, c, H, W)`` at noise levels ``s``
+        ``(B,)`` in [0, 1] units, and the guide network's pilot ``p`` (``None`` without one)."""
+        kern = self.config.architecture.kernel
+        taps = self.tensors["smoothing"]
+        guide, pilot_image = self.guide(x, s, sizes, level)
+        # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
+        h2 = kern.h2(x.shape[1], s * taps.square().sum()) * self.bandwidth_scale**2
+        op = GuidedOperator(
+            guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget, sizes
+        )
+        return op, pilot_image
+
     def _guided(
         self,
         x: torch.Tensor,
@@ -178,14 +193,7 @@ class Denoiser(Predictor):
     ) -> tuple[KGLMDEQ, torch.Tensor | None, torch.Tensor | None]:
         """The guided layer, its mean ``m`` and the guide network's pilot ``p`` (``None`` without one),
         each ``(B, c, H, W)``."""
-        kern = self.config.architecture.kernel
-        taps = self.tensors["smoothing"]
-        guide, pilot_image = self.guide(x, s, sizes, level)
-        # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
-        h2 = kern.h2(x.shape[1], s * taps.square().sum()) * self.bandwidth_scale**2
-        op = GuidedOperator(
-            guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget, sizes
-        )
+        op, pilot_image = self.guided_operator(x, s, sizes, level)
         if self.config.mean == "local":
             # the padding has no kernel mass (d = 0) and keeps the mean 0
             mean = op.kernel(x) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)

@@ -1,7 +1,8 @@
-"""Image files ↔ tensors for the offline CLI: PNG/JPEG/WebP/TIFF in, 8-bit PNG out.
+"""Image files ↔ tensors for the offline CLI: PNG/JPEG/WebP/TIFF in, 8-bit (or 16-bit grey) PNG out.
 
 EXIF orientation is applied on reading; grey stays grey (``L``, 16-bit ``I;16``
-scaled to [0, 1]), everything else becomes RGB (alpha is dropped).
+scaled to [0, 1]), everything else becomes RGB (alpha is dropped). Photon counts are read unscaled
+(``read_counts``) and written back in their file's bit depth.
 """
 
 from __future__ import annotations
@@ -17,6 +18,21 @@ GREY_MODES = {"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F"}
 
 def read_image(path: str | Path) -> torch.Tensor:
     """``(1, c, H, W)`` float32 in [0, 1]; ``c = 1`` for grey files, 3 otherwise."""
+    return _read(path)[0]
+
+
+def read_counts(path: str | Path) -> tuple[torch.Tensor, int]:
+    """The pixel values as stored, ``(1, c, H, W)`` float32 (photon counts: 0–255 in an 8-bit file,
+    0–65535 in a 16-bit one), and that full scale; ``ValueError`` for a floating-point file."""
+    image, scale = _read(path, unit=False)
+    if scale == 1.0:
+        raise ValueError(f"{path}: photon counts are integer pixels, not floating point")
+    return image, int(scale)
+
+
+def _read(path: str | Path, unit: bool = True) -> tuple[torch.Tensor, float]:
+    """The file's pixels ``(1, c, H, W)`` float32, divided by their full scale where ``unit``, and that
+    full scale (255, 65535, or 1 for a floating-point file)."""
     with Image.open(path) as im:
         im = ImageOps.exif_transpose(im)
         if im.mode in {"I", "I;16", "I;16B", "I;16L"}:
@@ -31,8 +47,9 @@ def read_image(path: str | Path) -> torch.Tensor:
     out = torch.empty(arr.shape, dtype=torch.float32)
     view = out.numpy()
     np.copyto(view, arr)
-    view /= np.float32(scale)
-    return out[None]
+    if unit:
+        view /= np.float32(scale)
+    return out[None], scale
 
 
 def read_mask(path: str | Path) -> torch.Tensor:
@@ -40,8 +57,16 @@ def read_mask(path: str | Path) -> torch.Tensor:
     return read_image(path).amax(dim=1, keepdim=True) > 0
 
 
-def write_png(path: str | Path, image: torch.Tensor) -> None:
-    """Write ``image`` ``(c, H, W)`` (``c`` 1 or 3, values clipped to [0, 1]) as an 8-bit PNG."""
+def write_png(path: str | Path, image: torch.Tensor, bits: int = 8) -> None:
+    """Write ``image`` ``(c, H, W)`` (``c`` 1 or 3, values clipped to [0, 1]) as an 8-bit PNG, or with
+    ``bits = 16`` a 16-bit one where ``c = 1`` (``round(65535·v)``; PNG readers take no 16-bit colour
+    from PIL, so colour stays 8-bit)."""
+    if bits not in (8, 16):
+        raise ValueError(f"a PNG here has 8 or 16 bits, not {bits}")
+    if bits == 16 and image.shape[0] == 1:
+        grey = image[0].detach().float().cpu().clamp(0, 1).mul(65535.0).round().numpy()
+        Image.fromarray(grey.astype(np.uint16)).save(path, format="PNG")
+        return
     Image.fromarray(to_bytes(image)).save(path, format="PNG")
 
 

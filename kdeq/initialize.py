@@ -189,6 +189,22 @@ DEFAULT_SPECS: tuple[ModelSpec, ...] = (
         mean="interpolated",
         solver=SolverConfig(method="cg", tol=1e-4, max_iter=300),
     ),
+    ModelSpec(
+        name="denoise-poisson-kglm",
+        task="denoise-poisson",
+        description="Poisson kGLM denoiser of photon counts (8- or 16-bit, grey or colour): the exact "
+        "Poisson likelihood with the adaptive kernel of the variance-stabilised image.",
+        architecture=GuidedArchitecture(
+            kernel=GuidedKernel(
+                spatial=Kernel(profile="se", lengthscale=6.0, radius=7), patch_radius=3, bandwidth=0.9
+            ),
+            smoothing=0.7,
+        ),
+        # the prior's precision on the log-rate, chosen on Train400 (docs/BENCHMARKS.md, issue 25)
+        lam=FixedLambda(value=25.0),
+        mean="local",
+        solver=SolverConfig(method="anderson", tol=1e-4, max_iter=100),
+    ),
 )
 
 

@@ -61,6 +61,7 @@ class Prediction:
         sigma: noise level used per sample on the 0–255 scale ``(B,)`` (denoise), else ``None``.
         mask: foreground ``(B, 1, H, W)`` bool (segment), else ``None``.
         threshold: binarisation threshold per sample ``(B,)`` (segment), else ``None``.
+        peak: the counts shown as full scale per sample ``(B,)`` (denoise-poisson), else ``None``.
         pilot: a model with a network (``kdeq.guidenet``): its pilot image ``(B, c, H, W)``
             (denoise, inpaint, deblur, super-resolve), the segmenter's ``logistic(m)``
             ``(B, 1, H, W)``; the adaptive deblurrer without one: its first solve ``f₀``; else
@@ -74,6 +75,7 @@ class Prediction:
     mask: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
     pilot: torch.Tensor | None = None
+    peak: torch.Tensor | None = None
 
 
 def pad_images(images: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:

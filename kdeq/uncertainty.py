@@ -577,6 +577,29 @@ def _segment(
     return GaussianPosterior(kernel, op, lam, 1 / lam, None, tuple(prob.shape), stationary, spacing, weight)
 
 
+@register_posterior("denoise-poisson")
+def _denoise_poisson(
+    predictor: Predictor, counts: torch.Tensor, peak: object = None, solver: object = None
+) -> GaussianPosterior:
+    """Laplace's approximation at the equilibrium, as the segmenter's: the log-rate's covariance
+    ``(λK⁻¹ + W)⁻¹`` with ``W = diag(r̂)`` (``A''(η) = e^η``), i.e. ``A = W^{1/2}``, ``s² = 1/λ``, ``K``
+    the adaptive kernel of the stabilised image (``kdeq.photon``); the std mapped to the output
+    ``r̂/peak`` by the delta method (``d(e^η)/dη = r̂``), so the factor is the output itself."""
+    found = predictor.forward(counts, peak, solver)
+    out = found.output.double()
+    rate = out * found.peak.double().reshape(-1, 1, 1, 1)
+    u, s_u, _ = predictor.stabilised(predictor.images(counts))
+    guide, _ = predictor.guide(u, s_u)
+    taps = predictor.tensors["smoothing"]
+    kern = predictor.config.architecture.kernel
+    h2 = kern.h2(u.shape[1], s_u * taps.square().sum()) * predictor.bandwidth_scale**2
+    op = _guided_kernel(predictor, guide, h2)
+    lam = found.lam.double()
+    spacing = probe_spacing(predictor.tensors["spatial"].shape[0] // 2)
+    weight = Diagonal(rate.sqrt())
+    return GaussianPosterior(op, weight, lam, 1 / lam, None, tuple(out.shape), None, spacing, out)
+
+
 __all__ = [
     "INNER_SOLVER",
     "MAX_SPACING",

@@ -43,11 +43,14 @@ class DecodedImage:
         pixels: ``(c, H, W)`` float32 array in [0, 1], ``c`` 1 (grey) or 3 (colour).
         alpha: ``(1, H, W)`` float32 array in [0, 1] when the file had transparency, else ``None``.
         mode: the PNG mode a response uses: ``L``, ``I;16``, ``RGB``, ``LA`` or ``RGBA``.
+        full_scale: the stored integer that ``pixels`` maps to 1 (255, or 65535 for 16-bit files), so
+            that ``pixels · full_scale`` are the values as stored; ``None`` for a floating-point file.
     """
 
     pixels: np.ndarray
     alpha: np.ndarray | None
     mode: str
+    full_scale: int | None = 255
 
     @property
     def size(self) -> tuple[int, int]:
@@ -105,10 +108,11 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
         im.load()
     except (OSError, ValueError, SyntaxError) as err:
         raise _undecodable(field, err) from None
-    alpha = None
+    alpha, full_scale = None, 255
     if im.mode in SIXTEEN_BIT:
         arr = np.asarray(im, dtype=np.float32)
-        arr = arr if im.mode == "F" else arr / 65535.0
+        full_scale = None if im.mode == "F" else 65535
+        arr = arr if full_scale is None else arr / 65535.0
         pixels, mode = _planes(np.clip(np.nan_to_num(arr), 0.0, 1.0)), "I;16"
     elif im.mode in {"1", "L"} and not im.has_transparency_data:
         pixels, mode = _planes(_unit(im.convert("L"))), "L"
@@ -120,7 +124,7 @@ def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
         pixels, alpha, mode = _planes(arr[..., :3]), _planes(arr[..., 3]), "RGBA"
     else:
         pixels, mode = _planes(_unit(im.convert("RGB"))), "RGB"
-    return DecodedImage(pixels, alpha, mode)
+    return DecodedImage(pixels, alpha, mode, full_scale)
 
 
 def decode_mask(data: bytes, field: str, size: tuple[int, int], max_pixels: int) -> np.ndarray:

@@ -38,6 +38,7 @@ from kdeq.predictor import SolverOverride
 from kdeq.samples import sample_images
 from kdeq.tasks import TASKS, InputError, Solved, Task
 from kdeq.tasks import Request as TaskRequest
+from kdeq.tasks.base import counts_of
 from service.decode import DecodedImage, decode_image, decode_mask
 from service.encode import PNG, encode_png, wants_json
 from service.engine import Job
@@ -316,8 +317,11 @@ def add_task_route(router: APIRouter, task: Task) -> None:
         def make() -> tuple[TaskRequest, DecodedImage]:
             decoded, arrays = _decode_inputs(task, form["image"], uploads, limit)
             try:
-                job_input = task.prepare(decoded.pixels, decoded.alpha, options, arrays, override)
+                pixels = counts_of(decoded.pixels, decoded.full_scale) if task.counts else decoded.pixels
+                job_input = task.prepare(pixels, decoded.alpha, options, arrays, override)
                 job_input = dataclasses.replace(job_input, uncertainty=uncertainty)
+                if uncertainty:
+                    task.check_uncertainty(job_input)
             except InputError as err:
                 raise ApiError(400 if err.absent else 422, err.code, err.detail) from None
             h, w = task.output_size(job_input)

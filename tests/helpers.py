@@ -95,7 +95,8 @@ def predict_arguments(
     """``predict``'s arguments for a task's model on ``images`` ``(B, c, H, W)`` that carry noise of
     ``sigma`` (0–255 scale): the denoiser is told ``sigma``, the inpainter gets half the pixels missing
     (drawn from ``gen``), the segmenter the images alone, the deblurrer a Gaussian PSF and ``sigma``,
-    the super-resolver a scale of 2. A new task adds its line here (``KeyError`` until it does)."""
+    the super-resolver a scale of 2, the photon denoiser counts drawn at a peak of 20 photons. A new
+    task adds its line here (``KeyError`` until it does)."""
     shape = (images.shape[0], 1, *images.shape[-2:])
     arguments = {
         "denoise": lambda: ((images,), {"sigma": sigma}),
@@ -103,5 +104,9 @@ def predict_arguments(
         "segment": lambda: ((images,), {}),
         "deblur": lambda: ((images, parse_psf("gaussian:1.6")), {"sigma": sigma}),
         "super-resolve": lambda: ((images,), {"scale": 2}),
+        "denoise-poisson": lambda: (
+            (torch.poisson(20.0 * images.clamp(min=0), generator=gen),),
+            {"peak": 20.0},
+        ),
     }
     return arguments[task]()

@@ -27,6 +27,7 @@ def test_committed_defaults_equal_a_rebuild(tmp_path: Path) -> None:
         "segment-kglm",
         "deblur-kglm",
         "super-resolve-kglm",
+        "denoise-poisson-kglm",
     }
     for folder in built:
         for name in ("config.json", "weights.safetensors"):
@@ -43,6 +44,7 @@ def test_repository_lists_the_shipped_models() -> None:
         ("deblur-kglm", 3, None),  # plug-and-play around denoise-kglm:2 (kdeq init --prior)
         ("denoise-kglm", 1, None),
         ("denoise-kglm", 2, None),  # the learned guide, trained from 1's kGLM start by kdeq train
+        ("denoise-poisson-kglm", 1, None),  # closed form (kdeq init --defaults)
         ("denoise-stationary-kglm", 1, None),
         ("denoise-stationary-kglm", 2, None),  # fine-tuned from 1 by kdeq train
         ("inpaint-kglm", 1, None),

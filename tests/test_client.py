@@ -105,11 +105,13 @@ def grey_image(seed: int = 0) -> np.ndarray:
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory) -> dict[str, tuple[tuple[object, dict], dict, dict]]:
     """Per task: the client's ``(image, keywords)`` (between them every kind of image input: float,
-    uint8 and bool arrays, a PIL image, a path, bytes; grey and colour) and the same request as raw
-    form fields and files."""
+    uint8, uint16 and bool arrays, a PIL image, a path, bytes; grey and colour) and the same request
+    as raw form fields and files."""
     grey = grey_image()
     colour = to_uint8(np.stack([grey, grey[::-1], 1 - grey], axis=-1))
     missing = np.random.default_rng(2).random((SIDE, SIDE)) < 0.3
+    # photon counts as a 16-bit detector stores them (uint16 arrays go as 16-bit PNGs)
+    photons = np.random.default_rng(3).poisson(300.0 * grey).astype(np.uint16)
     path = tmp_path_factory.mktemp("inputs") / "grey.png"
     path.write_bytes(encode(to_uint8(grey)))
     return {
@@ -130,6 +132,7 @@ def cases(tmp_path_factory) -> dict[str, tuple[tuple[object, dict], dict, dict]]
             {"scale": "2"},
             {"image": encode(to_uint8(grey))},
         ),
+        "denoise-poisson": ((photons, {"peak": 300.0}), {"peak": "300"}, {"image": encode(photons)}),
     }
 
 

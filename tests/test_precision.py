@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from kdeq import adaptive, backends, deq, linear, precision
+from kdeq.checkpoint import read_config
 from kdeq.cli import test_image as piecewise_image
 from kdeq.repository import load_predictor
 from tests.helpers import predict_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.parent for p in (ROOT / "models").glob("*/*/config.json"))
-GAUSSIAN = [p for p in SHIPPED if not p.parent.name.startswith("segment")]
+GAUSSIAN = [p for p in SHIPPED if read_config(p).family == "gaussian"]
 
 
 def _id(folder: Path) -> str:

@@ -63,4 +63,5 @@ from kdeq.tasks import inpaint  # noqa: E402, F401
 from kdeq.tasks import segment  # noqa: E402, F401
 from kdeq.tasks import deblur  # noqa: E402, F401
 from kdeq.tasks import super_resolve  # noqa: E402, F401
+from kdeq.tasks import denoise_poisson  # noqa: E402, F401
 # isort: on

@@ -170,6 +170,9 @@ class Task:
         files: its other image inputs.
         fields: the values its results report besides the solver's statistics and ``λ``.
         grey_output: whether the output is one grey channel whatever the input.
+        counts: whether its images are photon counts: a ``Request``'s image then holds the integer
+            pixel values as stored (0–255 in an 8-bit file, 0–65535 in a 16-bit one), not [0, 1]
+            (``counts_of``).
         architectures: the architecture kinds (``kdeq.checkpoint``) its models may have.
         network: the conditioning (``kdeq.guidenet.GuideNet.condition``) a network of its models has,
             ``None`` when they have none.
@@ -186,6 +189,7 @@ class Task:
     files: ClassVar[tuple[FileInput, ...]] = ()
     fields: ClassVar[tuple[ResultField, ...]] = ()
     grey_output: ClassVar[bool] = False
+    counts: ClassVar[bool] = False
     architectures: ClassVar[tuple[str, ...]] = ("conv",)
     network: ClassVar[str | None] = None
     score_name: ClassVar[str] = "psnr"
@@ -225,6 +229,10 @@ class Task:
         """The request for ``image`` ``(c, H, W)`` with its alpha ``(H, W)`` or ``None``, ``options``
         and the decoded ``files`` that were given; ``InputError`` for one this task refuses."""
         return Request(image, options, {}, solver)
+
+    def check_uncertainty(self, request: Request) -> None:
+        """``InputError`` where ``request``'s posterior map cannot be given though its model has one
+        (this default: never)."""
 
     def output_size(self, request: Request) -> tuple[int, int]:
         """``(H', W')`` of ``request``'s output (the pixel limit applies to it)."""
@@ -349,6 +357,15 @@ class Task:
         """The input ``(c, H, W)`` the training report shows for one of ``corrupt``'s examples: by
         default the predictor's first argument."""
         return self.predictor_inputs({k: v[None] for k, v in example.items()})[0][0]
+
+
+def counts_of(pixels: np.ndarray, full_scale: int | None) -> np.ndarray:
+    """The photon counts ``round(pixels · full_scale)`` ``(c, H, W)`` float32 of an image decoded to
+    [0, 1] from integers whose largest value is ``full_scale`` (255 or 65535);
+    ``InputError`` for pixels that were not integers (``full_scale`` ``None``: a float image)."""
+    if full_scale is None:
+        raise InputError("not_counts", "photon counts are integer pixels: send an 8- or 16-bit image")
+    return np.rint(pixels * np.float32(full_scale)).astype(np.float32)
 
 
 def shared_value(batch: Mapping[str, torch.Tensor], key: str, task: str, what: str) -> torch.Tensor:

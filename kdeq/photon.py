@@ -1,0 +1,145 @@
+"""The photon-count denoiser: a Poisson kGLM-DEQ on the counts themselves (DESIGN §2.10).
+
+For counts ``y ~ Poisson(r)`` per pixel the kGLM with the log link has the equilibrium
+
+    z = exp((K/λ)(y − z) + m),      r̂ = exp(η̃) = z  (the readout at ``X̃ = X``),
+
+the rate that maximises ``Σᵢ [rᵢ − yᵢ log rᵢ] + (λ/2)‖f‖²_K`` over ``log r = f + m``: the exact
+Poisson likelihood, counts never rescaled. ``λ`` is the prior's precision on the log-rate, so it
+does not depend on the light level: the data's weight grows with the counts by itself (each
+pixel's Fisher information on ``log r`` is ``r``).
+
+The kernel is the denoiser's adaptive kernel (``kdeq.denoise``) computed on the variance-stabilised
+image: the Anscombe transform ``a = 2√(y + 3/8)`` (standard deviation ≈ 1 for rates above ~2),
+scaled to ``u = (a − a(0))/(a(P) − a(0))`` with ``P`` the counts' 99.9th percentile, whose noise
+is then ``σ_u = 1/(a(P) − a(0))``. Only the guide sees the stabilised image; the likelihood sees
+the counts. The mean is the kernel's own local average of the counts ``D⁻¹K y``, and with a guide
+network ``(1 − β)·D⁻¹K y + β·I(p)``, ``p`` its pilot on ``u`` mapped back to a rate by the
+Makitalo–Foi inverse ``I``; ``m`` is its logarithm (floored at ``RATE_FLOOR`` counts). The solve is
+Anderson's from ``z = e^m``, damped so that it contracts at any light level (``_damped``).
+
+The output is ``r̂/peak`` with ``peak`` given or the 99.5th percentile of ``r̂`` per image: an
+image whose full scale (white) is ``peak`` counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from kdeq.adaptive import GuidedMap
+from kdeq.denoise import Denoiser
+from kdeq.families import Poisson
+from kdeq.predictor import Prediction, SolverOverride
+from kdeq.solvers import SolverConfig
+
+#: the smallest rate, in counts, the mean's logarithm takes (a dark region's local average may be 0)
+RATE_FLOOR = 1e-3
+#: the counts' quantile that sets the stabilised guide's scale ``P``
+GUIDE_QUANTILE = 0.999
+#: the estimate's quantile that is full scale when no peak is given
+PEAK_QUANTILE = 0.995
+#: ``η_max`` of the Poisson family, above the log of the largest count or mean rate by this margin
+ETA_MARGIN = 3.0
+
+
+def anscombe(y: torch.Tensor) -> torch.Tensor:
+    """The Anscombe transform ``2√(y + 3/8)``, elementwise: Poisson counts to noise of std ≈ 1."""
+    return 2.0 * torch.sqrt(y + 0.375)
+
+
+def inverse_anscombe(d: torch.Tensor) -> torch.Tensor:
+    """The closed-form approximation of the exact unbiased inverse of the Anscombe transform
+    (Mäkitalo & Foi, 2011), ``¼d² + ¼√(3/2)d⁻¹ − (11/8)d⁻² + (5/8)√(3/2)d⁻³ − 1/8``, clamped at 0:
+    the rate ``r`` whose ``E[2√(y + 3/8)]`` is ``d``, for ``d`` the denoised stabilised value."""
+    d = d.clamp(min=0.5)  # below a(0) ≈ 1.22 every value means a rate of 0; keeps d⁻³ finite
+    c = math.sqrt(1.5)
+    rate = 0.25 * d**2 + 0.25 * c / d - 1.375 / d**2 + 0.625 * c / d**3 - 0.125
+    return rate.clamp(min=0.0)
+
+
+def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
+    """The ``q``-quantile of each image of ``x`` ``(B, c, H, W)``, ``(B,)`` (``torch.quantile``
+    refuses more than 2²⁴ values, so large images take ``kthvalue``)."""
+    flat = x.reshape(x.shape[0], -1)
+    k = min(max(1, math.ceil(q * flat.shape[1])), flat.shape[1])
+    return flat.kthvalue(k, dim=1).values
+
+
+class PhotonDenoiser(Denoiser):
+    """Poisson-family denoiser of photon counts; see the module docstring."""
+
+    task = "denoise-poisson"
+
+    @property
+    def pads_exactly(self) -> bool:
+        return False
+
+    def stabilised(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``u`` ``(B, c, H, W)``, its noise ``σ_u`` ``(B,)`` and its span ``a(P) − a(0)`` ``(B,)`` for
+        ``counts`` ``(B, c, H, W)`` (module docstring)."""
+        bright = quantile(counts, GUIDE_QUANTILE).clamp(min=1.0)
+        low = anscombe(torch.zeros((), dtype=counts.dtype, device=counts.device))
+        span = anscombe(bright) - low
+        u = (anscombe(counts) - low) / span.reshape(-1, 1, 1, 1)
+        return u, 1.0 / span, span
+
+    def forward(
+        self,
+        counts: torch.Tensor,
+        peak: float | Sequence[float] | torch.Tensor | None = None,
+        solver: SolverOverride | None = None,
+    ) -> Prediction:
+        """Estimate the rate of ``counts`` ``(B, c, H, W)`` (non-negative, photon counts); ``peak``
+        the counts shown as full scale, scalar or ``(B,)`` (default ``PEAK_QUANTILE`` of the estimate).
+
+        ``output`` is ``r̂/peak`` ``(B, c, H, W)``, ``peak`` the peak used ``(B,)``, ``pilot`` the
+        guide network's ``I(p)`` in counts (``None`` without one)."""
+        y = self.images(counts)
+        if bool((y < 0).any()):
+            raise ValueError("photon counts are non-negative")
+        u, s_u, span = self.stabilised(y)
+        op, pilot_u = self.guided_operator(u, s_u)
+        rate = op.kernel(y) / op.degree.clamp(min=torch.finfo(y.dtype).tiny)
+        pilot = None
+        if pilot_u is not None:
+            low = anscombe(torch.zeros((), dtype=y.dtype, device=y.device))
+            pilot = inverse_anscombe(pilot_u * span.reshape(-1, 1, 1, 1) + low)
+            beta = self.tensors["net_mean_mix"]
+            rate = beta * pilot + (1 - beta) * rate
+        mean = torch.log(rate.clamp(min=RATE_FLOOR))
+        top = max(float(y.max()), float(rate.max()), 1.0)
+        family = Poisson(eta_max=math.log(top) + ETA_MARGIN)
+        lam = self.lam(torch.zeros(y.shape[0], device=y.device))
+        layer = self.kglm_layer(family, lam, lambda _, s: GuidedMap(op, s), tied=True)
+        out = layer(y, mean=mean, mean_out=mean, z0=family.sigma(mean), solver=self._damped(solver, top, lam))
+        estimate = family.sigma(out.eta)
+        full = self.peak(estimate, peak)
+        return Prediction(estimate / full.reshape(-1, 1, 1, 1), out.stats, lam, pilot=pilot, peak=full)
+
+    def _damped(self, override: SolverOverride | None, top: float, lam: torch.Tensor) -> SolverConfig:
+        """The solver with its damping at most ``2/(1 + L)``, ``L = top/min λ``: the map's Jacobian
+        ``−diag(z)K/λ`` has eigenvalues in ``[−L, 0]`` for rates up to ``top`` and a normalised kernel
+        (spectral radius ≤ 1), so ``z ↦ (1 − β)z + βf(z)`` contracts its linearisation. At a few
+        photons nothing changes; at thousands the undamped map overshoots (``tests/test_photon.py``)."""
+        config = self.solver(override)
+        bound = 2.0 / (1.0 + top / float(lam.min()))
+        return config.model_copy(update={"damping": min(config.damping, bound)})
+
+    def peak(
+        self, estimate: torch.Tensor, peak: float | Sequence[float] | torch.Tensor | None
+    ) -> torch.Tensor:
+        """The full-scale counts ``(B,)``: ``peak`` as given (positive and finite), or ``PEAK_QUANTILE``
+        of each ``estimate`` ``(B, c, H, W)``, at least the smallest positive float."""
+        if peak is None:
+            return quantile(estimate, PEAK_QUANTILE).clamp(min=torch.finfo(estimate.dtype).tiny)
+        p = torch.as_tensor(peak, dtype=estimate.dtype, device=estimate.device).reshape(-1)
+        if p.numel() == 1:
+            p = p.expand(estimate.shape[0])
+        if p.numel() != estimate.shape[0]:
+            raise ValueError(f"got {p.numel()} peaks for {estimate.shape[0]} images")
+        if not bool(torch.isfinite(p).all()) or bool((p <= 0).any()):
+            raise ValueError("peak must be a positive, finite count")
+        return p
