@@ -97,17 +97,20 @@ def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[
     return directory, save_checkpoint(directory, spec, embed_prior(prior.tensors), provenance)
 
 
+#: the adaptive kernel of the closed-form denoisers (Gaussian and photon-count)
+GUIDED_DENOISER = GuidedArchitecture(
+    kernel=GuidedKernel(
+        spatial=Kernel(profile="se", lengthscale=6.0, radius=7), patch_radius=3, bandwidth=0.9
+    ),
+    smoothing=0.7,
+)
+
 DEFAULT_SPECS: tuple[ModelSpec, ...] = (
     ModelSpec(
         name="denoise-kglm",
         task="denoise",
         description="Adaptive-kernel kGLM denoiser (grey or colour, any size); σ given or estimated.",
-        architecture=GuidedArchitecture(
-            kernel=GuidedKernel(
-                spatial=Kernel(profile="se", lengthscale=6.0, radius=7), patch_radius=3, bandwidth=0.9
-            ),
-            smoothing=0.7,
-        ),
+        architecture=GUIDED_DENOISER,
         lam=NoiseLambda(signal_variance=0.005),
         mean="local",
         solver=SolverConfig(method="cg", tol=1e-4, max_iter=100),
@@ -194,12 +197,7 @@ DEFAULT_SPECS: tuple[ModelSpec, ...] = (
         task="denoise-poisson",
         description="Poisson kGLM denoiser of photon counts (8- or 16-bit, grey or colour): the exact "
         "Poisson likelihood with the adaptive kernel of the variance-stabilised image.",
-        architecture=GuidedArchitecture(
-            kernel=GuidedKernel(
-                spatial=Kernel(profile="se", lengthscale=6.0, radius=7), patch_radius=3, bandwidth=0.9
-            ),
-            smoothing=0.7,
-        ),
+        architecture=GUIDED_DENOISER,
         # the prior's precision on the log-rate, chosen on Train400 (docs/BENCHMARKS.md, issue 25)
         lam=FixedLambda(value=25.0),
         mean="local",

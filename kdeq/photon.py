@@ -18,8 +18,8 @@ network ``(1 − β)·D⁻¹K y + β·I(p)``, ``p`` its pilot on ``u`` mapped ba
 Makitalo–Foi inverse ``I``; ``m`` is its logarithm (floored at ``RATE_FLOOR`` counts). The solve is
 Anderson's from ``z = e^m``, damped so that it contracts at any light level (``_damped``).
 
-The output is ``r̂/peak`` with ``peak`` given or the 99.5th percentile of ``r̂`` per image: an
-image whose full scale (white) is ``peak`` counts.
+The output is ``r̂/peak`` with ``peak`` given or the 99.5th percentile of ``r̂`` per image (at least
+one photon): an image whose full scale (white) is ``peak`` counts.
 """
 
 from __future__ import annotations
@@ -132,9 +132,10 @@ class PhotonDenoiser(Denoiser):
         self, estimate: torch.Tensor, peak: float | Sequence[float] | torch.Tensor | None
     ) -> torch.Tensor:
         """The full-scale counts ``(B,)``: ``peak`` as given (positive and finite), or ``PEAK_QUANTILE``
-        of each ``estimate`` ``(B, c, H, W)``, at least the smallest positive float."""
+        of each ``estimate`` ``(B, c, H, W)``, at least 1."""
         if peak is None:
-            return quantile(estimate, PEAK_QUANTILE).clamp(min=torch.finfo(estimate.dtype).tiny)
+            # at least one photon: a frame that caught (almost) none shows dark, not its noise as white
+            return quantile(estimate, PEAK_QUANTILE).clamp(min=1.0)
         p = torch.as_tensor(peak, dtype=estimate.dtype, device=estimate.device).reshape(-1)
         if p.numel() == 1:
             p = p.expand(estimate.shape[0])

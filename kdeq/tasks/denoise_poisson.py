@@ -22,7 +22,7 @@ class DenoisePoissonOptions(Options):
         le=65535,
         allow_inf_nan=False,
         description="the counts shown as full scale (white) in the output (default: the estimate's "
-        "99.5th percentile)",
+        "99.5th percentile, at least 1)",
     )
 
 
