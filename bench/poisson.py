@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
 
-from kdeq.photon import GUIDE_QUANTILE, anscombe, inverse_anscombe
+from kdeq.photon import ANSCOMBE_ZERO, GUIDE_QUANTILE, anscombe, inverse_anscombe
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
 from kdeq.tasks import TASKS, Request, solve_batch
 
@@ -52,10 +52,9 @@ def counts(clean: np.ndarray, peak: float, index: int) -> np.ndarray:
 def stabilised(y: np.ndarray) -> tuple[np.ndarray, float, float]:
     """The scaled Anscombe image ``u``, its noise ``σ`` on the 0–255 scale and the span ``a(P) − a(0)``."""
     bright = max(float(np.quantile(y, GUIDE_QUANTILE)), 1.0)
-    low = float(anscombe(torch.zeros(())))
-    span = float(anscombe(torch.tensor(bright))) - low
+    span = float(anscombe(torch.tensor(bright))) - ANSCOMBE_ZERO
     a = anscombe(torch.from_numpy(y)).numpy()
-    return (a - low) / span, 255.0 / span, span
+    return (a - ANSCOMBE_ZERO) / span, 255.0 / span, span
 
 
 def via_anscombe(denoise: Callable[[np.ndarray, float], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
@@ -63,8 +62,7 @@ def via_anscombe(denoise: Callable[[np.ndarray, float], np.ndarray]) -> Callable
 
     def estimate(y: np.ndarray) -> np.ndarray:
         u, sigma, span = stabilised(y)
-        low = float(anscombe(torch.zeros(())))
-        return inverse_anscombe(torch.from_numpy(denoise(u, sigma) * span + low)).numpy()
+        return inverse_anscombe(torch.from_numpy(denoise(u, sigma) * span + ANSCOMBE_ZERO)).numpy()
 
     return estimate
 

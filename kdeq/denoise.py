@@ -173,14 +173,20 @@ class Denoiser(Predictor):
         """The adaptive kernel ``K`` of the guide of images ``x`` ``(B, c, H, W)`` at noise levels ``s``
         ``(B,)`` in [0, 1] units, and the guide network's pilot ``p`` (``None`` without one)."""
         kern = self.config.architecture.kernel
-        taps = self.tensors["smoothing"]
         guide, pilot_image = self.guide(x, s, sizes, level)
-        # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
-        h2 = kern.h2(x.shape[1], s * taps.square().sum()) * self.bandwidth_scale**2
+        h2 = self.guide_h2(x.shape[1], s)
         op = GuidedOperator(
             guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget, sizes
         )
         return op, pilot_image
+
+    def guide_h2(self, channels: int, s: torch.Tensor) -> torch.Tensor:
+        """The adaptive kernel's ``h²`` ``(B,)`` for a ``channels``-channel guide of images at noise
+        levels ``s`` ``(B,)`` in [0, 1] units (times ``bandwidth_scale²``)."""
+        kern = self.config.architecture.kernel
+        # the guide's per-pixel noise: σ times the 2-D filter's ℓ2 norm ‖g⊗g‖₂ = ‖g‖₂²
+        noise = s * self.tensors["smoothing"].square().sum()
+        return kern.h2(channels, noise) * self.bandwidth_scale**2
 
     def _guided(
         self,

@@ -45,6 +45,10 @@ PEAK_QUANTILE = 0.995
 ETA_MARGIN = 3.0
 
 
+#: ``a(0) = 2√(3/8)``, the Anscombe transform of no photons
+ANSCOMBE_ZERO = 2.0 * math.sqrt(0.375)
+
+
 def anscombe(y: torch.Tensor) -> torch.Tensor:
     """The Anscombe transform ``2√(y + 3/8)``, elementwise: Poisson counts to noise of std ≈ 1."""
     return 2.0 * torch.sqrt(y + 0.375)
@@ -81,9 +85,8 @@ class PhotonDenoiser(Denoiser):
         """``u`` ``(B, c, H, W)``, its noise ``σ_u`` ``(B,)`` and its span ``a(P) − a(0)`` ``(B,)`` for
         ``counts`` ``(B, c, H, W)`` (module docstring)."""
         bright = quantile(counts, GUIDE_QUANTILE).clamp(min=1.0)
-        low = anscombe(torch.zeros((), dtype=counts.dtype, device=counts.device))
-        span = anscombe(bright) - low
-        u = (anscombe(counts) - low) / span.reshape(-1, 1, 1, 1)
+        span = anscombe(bright) - ANSCOMBE_ZERO
+        u = (anscombe(counts) - ANSCOMBE_ZERO) / span.reshape(-1, 1, 1, 1)
         return u, 1.0 / span, span
 
     def forward(
@@ -105,8 +108,7 @@ class PhotonDenoiser(Denoiser):
         rate = op.kernel(y) / op.degree.clamp(min=torch.finfo(y.dtype).tiny)
         pilot = None
         if pilot_u is not None:
-            low = anscombe(torch.zeros((), dtype=y.dtype, device=y.device))
-            pilot = inverse_anscombe(pilot_u * span.reshape(-1, 1, 1, 1) + low)
+            pilot = inverse_anscombe(pilot_u * span.reshape(-1, 1, 1, 1) + ANSCOMBE_ZERO)
             beta = self.tensors["net_mean_mix"]
             rate = beta * pilot + (1 - beta) * rate
         mean = torch.log(rate.clamp(min=RATE_FLOOR))

@@ -458,6 +458,15 @@ def _guided_kernel(predictor: Predictor, guide: torch.Tensor, h2: torch.Tensor) 
     )
 
 
+def _guided_denoiser_kernel(
+    predictor: Predictor, x: torch.Tensor, s: torch.Tensor, level: torch.Tensor | None = None
+) -> GuidedOperator:
+    """A guided denoiser's adaptive ``K̃`` of images ``x`` ``(B, c, H, W)`` at guide noise levels ``s``
+    ``(B,)``, as ``kdeq.denoise.Denoiser.guided_operator`` builds it, in float64."""
+    guide, _ = predictor.guide(x, s, None, level)
+    return _guided_kernel(predictor, guide, predictor.guide_h2(x.shape[1], s))
+
+
 @register_posterior("denoise")
 def _denoise(
     predictor: Predictor,
@@ -474,11 +483,7 @@ def _denoise(
     amplitude = _noise_amplitude(predictor, s, lam)
     if isinstance(predictor.config.architecture, GuidedArchitecture):
         level_s = predictor._guide_level(s)
-        guide, _ = predictor.guide(x, level_s, None, None if level is None else level.to(x))
-        taps = predictor.tensors["smoothing"]
-        kern = predictor.config.architecture.kernel
-        h2 = kern.h2(x.shape[1], level_s * taps.square().sum()) * predictor.bandwidth_scale**2
-        op = _guided_kernel(predictor, guide, h2)
+        op = _guided_denoiser_kernel(predictor, x, level_s, None if level is None else level.to(x))
         spacing = probe_spacing(predictor.tensors["spatial"].shape[0] // 2)
         return GaussianPosterior(op, Identity(), lam, amplitude, None, tuple(x.shape), None, spacing)
     kernel, stationary = _conv_kernel(predictor, x.shape[0])
@@ -589,11 +594,7 @@ def _denoise_poisson(
     out = found.output.double()
     rate = out * found.peak.double().reshape(-1, 1, 1, 1)
     u, s_u, _ = predictor.stabilised(predictor.images(counts))
-    guide, _ = predictor.guide(u, s_u)
-    taps = predictor.tensors["smoothing"]
-    kern = predictor.config.architecture.kernel
-    h2 = kern.h2(u.shape[1], s_u * taps.square().sum()) * predictor.bandwidth_scale**2
-    op = _guided_kernel(predictor, guide, h2)
+    op = _guided_denoiser_kernel(predictor, u, s_u)
     lam = found.lam.double()
     spacing = probe_spacing(predictor.tensors["spatial"].shape[0] // 2)
     weight = Diagonal(rate.sqrt())
