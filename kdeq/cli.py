@@ -3,7 +3,8 @@
 - ``kdeq TASK IN [IN …] -o OUT`` for every registered task (``kdeq.tasks.TASKS``: denoise,
   inpaint, …), with the task's options and file inputs as flags: run a repository model on image
   files in one process, batched by size (``kdeq.batchrun``), and print the solver statistics of each
-  and, for several, a summary; the exit status is 3 when a solve did not converge;
+  and, for several, a summary; the exit status is 3 when a solve did not converge; a task's variants
+  (``kdeq.tasks.choice_of``) are asked for on its host's command too (``kdeq denoise --noise poisson``);
 - ``kdeq remote --url URL TASK IN [IN …] -o OUT``: the same, with the same task arguments, solved by a
   kdeq service over HTTP (``kdeq.client``; the API key from ``--api-key`` or ``KDEQ_API_KEY``);
 - ``kdeq models``: list the repository;
@@ -13,6 +14,8 @@
   denoiser checkpoint ``DIR`` (without SPEC files, the shipped ones);
 - ``kdeq train …``: fine-tune a checkpoint on images (``kdeq.train``);
 - ``kdeq experiment init-compare …``: the paper's kGLM-vs-random initialisation experiment;
+  ``kdeq experiment kerdeq …`` and ``kdeq experiment mondeq …``: the seeds' KerDEQ and monotone-DEQ
+  claims on scikit-learn's digits (``kdeq.train.exp_kerdeq``, ``kdeq.train.exp_mondeq``);
 - ``kdeq demo``: see below;
 - commands of other installed packages, registered under the ``kdeq.commands`` entry-point
   group (``kdeq serve`` comes from the ``service`` package, which ``kdeq`` never imports).
@@ -26,11 +29,13 @@ solver statistics. It needs no data and no checkpoint.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Collection
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import UnionType
@@ -46,7 +51,14 @@ from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
 from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError, Result
 from kdeq.families import Gaussian
 from kdeq.imageio import write_png
-from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, compose_checkpoint, init_checkpoint
+from kdeq.initialize import (
+    DEFAULT_SPECS,
+    PLUG_AND_PLAY_SPECS,
+    RETASKED,
+    compose_checkpoint,
+    init_checkpoint,
+    retask_checkpoint,
+)
 from kdeq.kernels import Kernel
 from kdeq.kglm import conv_deq
 from kdeq.predictor import SolverOverride
@@ -54,9 +66,9 @@ from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
 from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
-from kdeq.tasks import TASKS, Solved, Task
+from kdeq.tasks import TASKS, Solved, Task, choice_of
 from kdeq.tiling import TILE_SIZE
-from kdeq.train import calibrate, init_compare
+from kdeq.train import calibrate, exp_kerdeq, exp_mondeq, init_compare
 from kdeq.train import cli as train_cli
 from kdeq.uncertainty import POSTERIORS, unsupported
 
@@ -118,9 +130,14 @@ def _option_type(info: FieldInfo) -> dict:
     return {"type": kind}
 
 
-def add_task_arguments(parser: argparse.ArgumentParser, task: Task) -> None:
-    """``--OPTION`` for each of ``task``'s options and ``--FILE`` for each of its file inputs."""
+def add_task_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, task: Task, skip: Collection[str] = ()
+) -> None:
+    """``--OPTION`` for each of ``task``'s options and ``--FILE`` for each of its file inputs, but
+    those named in ``skip`` (already there)."""
     for name, info in task.options.model_fields.items():
+        if name in skip:
+            continue
         default = "" if info.is_required() or info.default is None else f" (default {info.default})"
         parser.add_argument(
             "--" + name.replace("_", "-"),
@@ -130,6 +147,8 @@ def add_task_arguments(parser: argparse.ArgumentParser, task: Task) -> None:
             **_option_type(info),
         )
     for spec in task.files:
+        if spec.name in skip:
+            continue
         parser.add_argument(
             "--" + spec.name.replace("_", "-"), dest=spec.name, metavar="FILE", help=spec.description
         )
@@ -156,6 +175,31 @@ def add_task_command_arguments(
             "folder of <stem>.png",
         )
     add_task_arguments(parser, task)
+    choice = choice_of(task)
+    if choice is not None:
+        parser.add_argument("--" + choice.field, choices=list(choice.tasks), help=choice.description)
+        present = set(task.options.model_fields) | {f.name for f in task.files}
+        for value, variant in choice.tasks.items():
+            own = (set(variant.options.model_fields) | {f.name for f in variant.files}) - present
+            if variant is not task and own:
+                group = parser.add_argument_group(f"with --{choice.field} {value} ({variant.name})")
+                add_task_arguments(group, variant, skip=present)
+                present |= own
+
+
+def chosen_task(host: Task, args: argparse.Namespace) -> Task:
+    """The task that ``kdeq <host>``'s arguments ask for: ``host``, or the variant its choice's option
+    picks (``choice_of``); ``ValueError`` naming another task's options where they were given."""
+    choice = choice_of(host)
+    if choice is None:
+        return host
+    task = choice.pick(getattr(args, choice.field))
+    given = {name for name, value in vars(args).items() if value is not None}
+    misplaced = choice.misplaced(task, given)
+    if misplaced:
+        options = ", ".join("--" + name.replace("_", "-") for name in misplaced)
+        raise ValueError(f"{options}: not for --{choice.field} {choice.value_of(task)}")
+    return task
 
 
 def _solve_line(source: Path | None, model: str, result: Solved | Result, timing: str) -> str:
@@ -174,7 +218,7 @@ def _solve_line(source: Path | None, model: str, result: Solved | Result, timing
 
 
 def _run_model(args: argparse.Namespace) -> int:
-    task = TASKS[args.command]
+    task = chosen_task(TASKS[args.command], args)
     root = Path(args.models_dir)
     name, _, ver = (args.model or f"{task.name}-kglm").partition(":")
     predictor = load_predictor(find_model(root, name, int(ver) if ver else None), args.device)
@@ -248,7 +292,7 @@ def _run_remote(args: argparse.Namespace) -> int:
     then each input sent to the service in turn, its output written where and as ``kdeq TASK`` writes
     it (``batchrun.outputs``; 8-bit, without alpha: ``_write_local``) and a line of statistics
     printed per image; 3 when a solve did not converge, as locally."""
-    task = TASKS[args.task]
+    task = chosen_task(TASKS[args.task], args)
     inputs = [Path(p) for p in args.input]
     options = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}
     named = {f.name: Path(getattr(args, f.name)) for f in task.files if getattr(args, f.name)}
@@ -381,12 +425,17 @@ def _init(args: argparse.Namespace) -> int:
     else:
         specs = list(PLUG_AND_PLAY_SPECS)
     prior = None if args.prior is None else load_checkpoint(args.prior)
-    for spec in specs:
+    builds = [
+        functools.partial(init_checkpoint, spec, root)
+        if prior is None
+        else functools.partial(compose_checkpoint, spec, prior, root)
+        for spec in specs
+    ]
+    if prior is not None and not args.spec:
+        builds += [functools.partial(retask_checkpoint, *model, prior, root) for model in RETASKED]
+    for build in builds:
         start = time.perf_counter()
-        if prior is None:
-            directory, config = init_checkpoint(spec, root)
-        else:
-            directory, config = compose_checkpoint(spec, prior, root)
+        directory, config = build()
         elapsed = time.perf_counter() - start
         print(f"wrote {directory} (sha256 {config.weights_sha256[:12]}…) in {elapsed * 1e3:.1f} ms")
     return 0
@@ -468,8 +517,8 @@ def main(argv: list[str] | None = None) -> int:
     p_init.add_argument(
         "--prior",
         metavar="DIR",
-        help="compose plug-and-play specs (without SPEC files: the shipped ones) around this denoiser "
-        "checkpoint",
+        help="compose plug-and-play specs (without SPEC files: the shipped ones, and the models of "
+        "other tasks that use its kernel and network as they are) around this denoiser checkpoint",
     )
     p_init.add_argument("--models-dir", default=models_dir)
     p_train = sub.add_parser("train", help="fine-tune a checkpoint from the kGLM start on images")
@@ -483,6 +532,16 @@ def main(argv: list[str] | None = None) -> int:
     p_ic = exp_sub.add_parser("init-compare", help="kGLM vs random initialisation (paper §4, Table 1)")
     init_compare.add_arguments(p_ic)
     p_ic.set_defaults(handler=init_compare.main)
+    p_kd = exp_sub.add_parser(
+        "kerdeq", help="KerDEQ against OptEq on scikit-learn's digits (the seeds' claims)"
+    )
+    exp_kerdeq.add_arguments(p_kd)
+    p_kd.set_defaults(handler=exp_kerdeq.main)
+    p_md = exp_sub.add_parser(
+        "mondeq", help="the monotone DEQ on scikit-learn's digits: NTK loss decay and stability"
+    )
+    exp_mondeq.add_arguments(p_md)
+    p_md.set_defaults(handler=exp_mondeq.main)
 
     for plugin in entry_points(group="kdeq.commands"):
         try:

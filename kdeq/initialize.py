@@ -97,6 +97,43 @@ def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[
     return directory, save_checkpoint(directory, spec, embed_prior(prior.tensors), provenance)
 
 
+def retask_checkpoint(
+    name: str, version: int, task: str, description: str, prior: Checkpoint, root: Path
+) -> tuple[Path, ModelConfig]:
+    """Write ``prior``'s spec and tensors, unchanged but for its ``name``, ``version``, ``task`` and
+    ``description``, to ``root/<name>/<version>``: a model of another task that solves with the same
+    kernel and network (``RETASKED``; a rebuild reproduces the files bit for bit). Returns the folder
+    and config."""
+    own = prior.config
+    spec = ModelSpec.model_validate(
+        own.model_dump(include=set(ModelSpec.model_fields))
+        | {"name": name, "version": version, "task": task, "description": description}
+    )
+    origin = own.provenance
+    provenance = Provenance(
+        init=origin.init,
+        data=origin.data,
+        epochs=origin.epochs,
+        notes=f"{own.name}:{own.version}'s kernel and network for {task} (kdeq init --prior); {origin.notes}",
+    )
+    directory = root / name / str(version)
+    return directory, save_checkpoint(directory, spec, prior.tensors, provenance)
+
+
+#: models written around a denoiser checkpoint by ``kdeq init --prior DIR`` beside the plug-and-play
+#: ones, its spec and tensors as they are (``retask_checkpoint``): name, version, task, description
+RETASKED: tuple[tuple[str, int, str, str], ...] = (
+    (
+        "denoise-impulse-kglm",
+        2,
+        "denoise-impulse",
+        "Robust denoiser for Gaussian noise plus salt-and-pepper impulses: the learned guided denoiser's "
+        "kernel and network, the impulses left unobserved and the rest fitted under a Welsch (KerDEQ) "
+        "data term; σ given or estimated on the impulse-free pixels.",
+    ),
+)
+
+
 #: the adaptive kernel of the closed-form denoisers (Gaussian and photon-count)
 GUIDED_DENOISER = GuidedArchitecture(
     kernel=GuidedKernel(
@@ -202,6 +239,17 @@ DEFAULT_SPECS: tuple[ModelSpec, ...] = (
         lam=FixedLambda(value=25.0),
         mean="local",
         solver=SolverConfig(method="anderson", tol=1e-4, max_iter=100),
+    ),
+    ModelSpec(
+        name="denoise-impulse-kglm",
+        task="denoise-impulse",
+        description="Robust adaptive-kernel kGLM denoiser for Gaussian noise plus salt-and-pepper "
+        "impulses: the impulses left unobserved, the rest fitted under a Welsch (KerDEQ) data term; σ "
+        "given or estimated on the impulse-free pixels.",
+        architecture=GUIDED_DENOISER,
+        lam=NoiseLambda(signal_variance=0.005),
+        mean="local",
+        solver=SolverConfig(method="cg", tol=1e-4, max_iter=100),
     ),
 )
 

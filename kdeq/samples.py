@@ -34,7 +34,8 @@ def sample_images(seed: int = 0, size: tuple[int, int] = (192, 256)) -> dict[str
     an alpha channel, 0 where ``holes`` is 1), ``scan`` (noisy grey shapes to segment), ``blurred``
     (the photo blurred by a Gaussian PSF of width 1.6, σ = 2 noise) and ``small`` (the photo at half
     the size, averaged 2×2), ``counts`` (photon counts of the photo's grey at a peak of 10 as an
-    8-bit image: pixel value = count, so ``count/255`` here)."""
+    8-bit image: pixel value = count, so ``count/255`` here), ``impulses`` (the photo with σ = 15
+    noise and 10 % of its pixels salt or pepper, black or white in every channel)."""
     gen = torch.Generator().manual_seed(seed)
     h, w = size
     photo = _scene(h, w)
@@ -47,6 +48,10 @@ def sample_images(seed: int = 0, size: tuple[int, int] = (192, 256)) -> dict[str
     blur = Blur(parse_psf("gaussian:1.6"), "symmetric")
     blurred = (blur.forward(photo[None])[0] + 2 / 255 * torch.randn(photo.shape, generator=gen)).clamp(0, 1)
     counts = torch.poisson(10.0 * photo.mean(dim=0, keepdim=True), generator=gen) / 255.0
+    impulses = (photo + 15 / 255 * torch.randn(photo.shape, generator=gen)).clamp(0, 1)
+    hit = torch.rand(photo.shape[-2:], generator=gen) < 0.1
+    salt = (torch.rand(photo.shape[-2:], generator=gen) < 0.5).to(photo.dtype)
+    impulses = torch.where(hit, salt, impulses)
     return {
         "photo": photo,
         "noisy": noisy,
@@ -56,16 +61,18 @@ def sample_images(seed: int = 0, size: tuple[int, int] = (192, 256)) -> dict[str
         "blurred": blurred,
         "small": F.avg_pool2d(photo[None], 2)[0],
         "counts": counts,
+        "impulses": impulses,
     }
 
 
 def write_samples(directory: str | Path, seed: int = 0, size: tuple[int, int] = (192, 256)) -> list[Path]:
-    """Write ``photo.png``, ``noisy.png``, ``holes.png`` (white = missing), ``scan.png`` and
-    ``counts.png`` (photon counts, pixel value = count) of ``sample_images`` into ``directory``."""
+    """Write ``photo.png``, ``noisy.png``, ``holes.png`` (white = missing), ``scan.png``,
+    ``counts.png`` (photon counts, pixel value = count) and ``impulses.png`` of ``sample_images``
+    into ``directory``."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     images = sample_images(seed, size)
-    names = ("photo", "noisy", "holes", "scan", "counts")
+    names = ("photo", "noisy", "holes", "scan", "counts", "impulses")
     for name in names:
         write_png(out / f"{name}.png", images[name])
     return [out / f"{name}.png" for name in names]

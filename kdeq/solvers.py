@@ -24,6 +24,12 @@ Solvers (registry ``SOLVERS``):
 - ``cg``: conjugate gradients for affine ``f(z) = b − Az + z`` with ``A = I − ∂f``
   symmetric positive definite — the linear Gaussian kGLM, where
   ``A = I + K/λ``. It uses only evaluations of ``f``.
+- ``forward_backward``: forward–backward splitting for ``f = prox_φ ∘ pre`` given in split form
+  (``SplitMap``): ``z ← prox_{αφ}((1−α)z + α·pre(z))``. For ``pre(z) = Wz + b`` with
+  ``I − W ⪰ mI`` and ``‖I − W‖₂ ≤ L`` it contracts by ``√(1 − 2αm + α²L²)`` for every
+  ``α ∈ (0, 2m/L²)`` — a monotone DEQ (Winston and Kolter 2020; ``kdeq.mondeq``) — and its fixed
+  point is that of ``z = f(z)`` for every ``α``. It refuses any other map (``SPLIT_ONLY`` lists
+  such methods).
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ class SolverConfig(BaseModel):
     """Typed, frozen solver settings; unknown keys are an error.
 
     Attributes:
-        method: ``fixed_point`` | ``anderson`` | ``cg``.
+        method: ``fixed_point`` | ``anderson`` | ``cg`` | ``forward_backward`` (the last needs a
+            ``SplitMap`` and takes its step ``α`` from it, not ``damping``).
         tol: target relative residual ``‖f(z) − z‖/‖f(z)‖``.
         max_iter: iteration cap per sample.
         check_every: on devices outside ``SYNC_FREE_DEVICES``, the host reads the batch's
@@ -60,7 +67,7 @@ class SolverConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: Literal["fixed_point", "anderson", "cg"] = "anderson"
+    method: Literal["fixed_point", "anderson", "cg", "forward_backward"] = "anderson"
     tol: float = Field(1e-4, gt=0)
     max_iter: int = Field(200, ge=1)
     check_every: int = Field(1, ge=1)
@@ -89,6 +96,27 @@ class SolverStats:
     residual: torch.Tensor
     converged: torch.Tensor
     history: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class SplitMap:
+    """``f(z) = prox_φ(pre(z))`` with ``pre(z) = W z + b`` affine: the split form forward–backward needs.
+
+    Attributes:
+        pre: ``z ↦ W z + b``, a batch ``(B, ...) → (B, ...)``.
+        prox: ``(x, α) ↦ prox_{αφ}(x) = (I + α(σ⁻¹ − I))⁻¹(x)`` elementwise for ``σ = prox_φ``;
+            ``α = 1`` gives ``σ`` itself.
+        step: the forward–backward step ``α > 0``, chosen by whoever knows ``m`` and ``L``
+            (``kdeq.mondeq.monotone_step``).
+    """
+
+    pre: Map
+    prox: Callable[[torch.Tensor, float], torch.Tensor]
+    step: float
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """``f(z) = σ(W z + b)`` ``(B, ...)``."""
+        return self.prox(self.pre(z), 1.0)
 
 
 def chained(stats: Sequence[SolverStats]) -> SolverStats:
@@ -381,13 +409,47 @@ def conjugate_gradient(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[
     return z, stats
 
 
+def forward_backward(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
+    """Forward–backward splitting ``z_{k+1} = prox_{αφ}((1−α) z_k + α pre(z_k))`` for ``f`` a
+    ``SplitMap`` (its ``step`` is ``α``; ``config.damping`` is not used).
+
+    ``(1−α)z + α(Wz + b) = z − α((I − W)z − b)`` is the forward (gradient) step on the monotone
+    operator ``I − W``, and ``prox_{αφ}`` the backward step. Each step evaluates ``pre`` once: its
+    value serves both the residual ``f(z) − z = prox_φ(pre(z)) − z`` of the iterate and the next step.
+    """
+    if not isinstance(f, SplitMap):
+        raise TypeError(
+            "forward_backward needs f as a kdeq.solvers.SplitMap (pre: z ↦ Wz + b, "
+            f"prox: (x, α) ↦ prox_αφ(x), step: α), got {type(f).__name__}"
+        )
+    alpha = f.step
+    if not 0.0 < alpha < float("inf"):
+        raise ValueError(f"forward_backward needs a finite step α > 0, got {alpha}")
+    z = z0
+    p = f.pre(z)
+    fz = f.prox(p, 1.0)
+    track = _Tracker(z, _rel_residual(fz, z, config.atol), config)
+    for step in range(1, config.max_iter + 1):
+        keep = _expand(track.active, z)
+        z = torch.where(keep, f.prox((1.0 - alpha) * z + alpha * p, alpha), z)
+        p = f.pre(z)
+        fz = f.prox(p, 1.0)
+        if track.update(step, z, _rel_residual(fz, z, config.atol)):
+            break
+    return track.result()
+
+
 Solver = Callable[[Map, torch.Tensor, SolverConfig], tuple[torch.Tensor, SolverStats]]
 
 SOLVERS: dict[str, Solver] = {
     "fixed_point": fixed_point,
     "anderson": anderson,
     "cg": conjugate_gradient,
+    "forward_backward": forward_backward,
 }
+
+#: the registered methods that need ``f`` in split form (``SplitMap``), not any map
+SPLIT_ONLY = frozenset({"forward_backward"})
 
 
 def solve(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:

@@ -17,7 +17,7 @@ import inspect
 import io
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Annotated, Literal, get_args, get_origin
 
@@ -36,7 +36,7 @@ from kdeq import scaledpng
 from kdeq.imageio import to_bytes
 from kdeq.predictor import SolverOverride
 from kdeq.samples import sample_images
-from kdeq.tasks import TASKS, InputError, Solved, Task
+from kdeq.tasks import TASKS, InputError, ResultField, Solved, Task, choice_of
 from kdeq.tasks import Request as TaskRequest
 from kdeq.tasks.base import counts_of
 from service.decode import DecodedImage, decode_image, decode_mask
@@ -127,9 +127,10 @@ def only_fields(*names: str) -> Callable:
     return Depends(check)
 
 
-def _responses(task: Task, result: type[Result]) -> dict:
-    """The OpenAPI responses of ``task``'s route: the PNG or JSON result with its headers, and the errors."""
-    fields = {f.header: {"description": f.description, "schema": {"type": "string"}} for f in task.fields}
+def _responses(result_fields: Iterable[ResultField], result: type[Result]) -> dict:
+    """The OpenAPI responses of a task's route whose results carry ``result_fields``: the PNG or JSON
+    result with its headers, and the errors."""
+    fields = {f.header: {"description": f.description, "schema": {"type": "string"}} for f in result_fields}
     return {
         200: {
             "description": "the result as a PNG (default) or, with `Accept: application/json`, as JSON with "
@@ -281,23 +282,45 @@ def _decode_inputs(
     return decoded, arrays
 
 
-def add_task_route(router: APIRouter, task: Task) -> None:
-    """``POST /<task>``: the form fields are ``image``, the task's options and file inputs, ``model``,
-    ``max_iter``, ``tol``, ``history`` and ``uncertainty``; the response is ``task``'s ``Result``
-    (JSON) or the PNG with headers."""
+def add_task_route(router: APIRouter, host: Task) -> None:
+    """``POST /<host>``: the form fields are ``image``, the task's options and file inputs, ``model``,
+    ``max_iter``, ``tol``, ``history`` and ``uncertainty``; the response is the task's ``Result``
+    (JSON) or the PNG with headers. Where other tasks are variants of ``host`` (``choice_of``), its
+    choice's field picks the task, and the route takes their options and file inputs too, each only
+    with the value that picks its task (422 ``misplaced_option`` otherwise)."""
+    choice = choice_of(host)
+    tasks = [host] if choice is None else list(choice.tasks.values())
+    fields = {f.name: f for t in tasks for f in t.fields}
     result_model = create_model(
-        f"{task.name.title().replace('-', '')}Result",
+        f"{host.name.title().replace('-', '')}Result",
         __base__=Result,
-        **{f.name: (float | None, PydanticField(None, description=f.description)) for f in task.fields},
+        **{f.name: (float | None, PydanticField(None, description=f.description)) for f in fields.values()},
     )
-    option_names = list(task.options.model_fields)
-    file_names = [f.name for f in task.files]
+    option_fields = {name: info for t in tasks for name, info in t.options.model_fields.items()}
+    file_specs = {spec.name: spec for t in tasks for spec in t.files}
+    chooser = [] if choice is None else [choice.field]
+
+    def pick(sent: set[str], value: object) -> Task:
+        if choice is None:
+            return host
+        task = choice.pick(value)
+        misplaced = choice.misplaced(task, sent)
+        if misplaced:
+            raise ApiError(
+                422,
+                "misplaced_option",
+                f"{misplaced} are not fields of {choice.field}={choice.value_of(task)} ({task.route})",
+            )
+        return task
 
     async def endpoint(request: Request, **form: object) -> Response:
         svc = _service(request)
         start = time.monotonic()
         ticket = request.state.kdeq_ticket  # admitted by the Admission middleware
-        # before decoding: the model (400/404), the solver override (422), the options (422)
+        # before decoding: the task (422), the model (400/404), the solver override (422), the options (422)
+        task = pick(set((await request.form()).keys()), form.get(choice.field) if choice else None)
+        option_names = list(task.options.model_fields)
+        file_names = [f.name for f in task.files]
         slot = svc.registry.resolve(task.name, form["model"])
         override = _override(slot, form["max_iter"], form["tol"], bool(form["history"]))
         uncertainty = bool(form["uncertainty"])
@@ -433,13 +456,23 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             default=None,
             annotation=Annotated[UploadFile | None, File(description=spec.description)],
         )
-        for spec in task.files
+        for spec in file_specs.values()
     ]
+    chosen = []
+    if choice is not None:
+        kind = Literal[tuple(choice.tasks)]
+        described = Form(description=choice.description)
+        chosen.append(
+            inspect.Parameter(
+                choice.field, KEYWORD, default=choice.default, annotation=Annotated[kind, described]
+            )
+        )
     endpoint.__signature__ = inspect.Signature(
         [
             inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
             inspect.Parameter("image", KEYWORD, annotation=ImageField),
-            *(_form_parameter(name, info) for name, info in task.options.model_fields.items()),
+            *chosen,
+            *(_form_parameter(name, info) for name, info in option_fields.items()),
             *files,
             inspect.Parameter("model", KEYWORD, default=None, annotation=ModelField),
             inspect.Parameter("max_iter", KEYWORD, default=None, annotation=MaxIterField),
@@ -448,19 +481,34 @@ def add_task_route(router: APIRouter, task: Task) -> None:
             inspect.Parameter("uncertainty", KEYWORD, default=False, annotation=UncertaintyField),
         ]
     )
-    endpoint.__name__ = task.name.replace("-", "_")
+    endpoint.__name__ = host.name.replace("-", "_")
+    description = " ".join((host.__doc__ or host.summary).split())
+    if choice is not None:
+        description += "".join(
+            f" With `{choice.field}={value}` (as `{t.route}`): {' '.join((t.__doc__ or t.summary).split())}"
+            for value, t in choice.tasks.items()
+            if t is not host
+        )
     router.add_api_route(
-        task.route,
+        host.route,
         endpoint,
         methods=["POST"],
-        summary=task.summary,
-        description=" ".join((task.__doc__ or task.summary).split()),
-        responses=_responses(task, result_model),
+        summary=host.summary,
+        description=description,
+        responses=_responses(fields.values(), result_model),
         response_class=Response,
         dependencies=[
             *AUTH,
             only_fields(
-                "image", *option_names, *file_names, "model", "max_iter", "tol", "history", "uncertainty"
+                "image",
+                *chooser,
+                *option_fields,
+                *file_specs,
+                "model",
+                "max_iter",
+                "tol",
+                "history",
+                "uncertainty",
             ),
         ],
     )
@@ -481,6 +529,11 @@ class TaskInfo(BaseModel):
     files: list[dict]
     fields: list[dict]
     models: list[str]
+    also: dict | None = PydanticField(
+        None,
+        description="where the task is also asked for: `{route, field, value}`, e.g. `/denoise` with "
+        "`noise=poisson`",
+    )
 
 
 @router.get("/tasks", summary="The tasks, their options and their loaded models", dependencies=AUTH)
@@ -496,6 +549,9 @@ async def tasks(request: Request) -> list[TaskInfo]:
             files=[{"name": f.name, "description": f.description, "kind": f.kind} for f in t.files],
             fields=[{"name": f.name, "description": f.description, "header": f.header} for f in t.fields],
             models=[s.id for s in registry.slots.values() if s.ready and s.task == t.name],
+            also=None
+            if t.variant is None
+            else {"route": TASKS[t.variant.host].route, "field": t.variant.field, "value": t.variant.value},
         )
         for t in TASKS.values()
     ]

@@ -95,8 +95,9 @@ def predict_arguments(
     """``predict``'s arguments for a task's model on ``images`` ``(B, c, H, W)`` that carry noise of
     ``sigma`` (0–255 scale): the denoiser is told ``sigma``, the inpainter gets half the pixels missing
     (drawn from ``gen``), the segmenter the images alone, the deblurrer a Gaussian PSF and ``sigma``,
-    the super-resolver a scale of 2, the photon denoiser counts drawn at a peak of 20 photons. A new
-    task adds its line here (``KeyError`` until it does)."""
+    the super-resolver a scale of 2, the photon denoiser counts drawn at a peak of 20 photons, the
+    impulse denoiser the images with a tenth of their pixels salt or pepper and ``sigma``. A new task
+    adds its line here (``KeyError`` until it does)."""
     shape = (images.shape[0], 1, *images.shape[-2:])
     arguments = {
         "denoise": lambda: ((images,), {"sigma": sigma}),
@@ -107,6 +108,16 @@ def predict_arguments(
         "denoise-poisson": lambda: (
             (torch.poisson(20.0 * images.clamp(min=0), generator=gen),),
             {"peak": 20.0},
+        ),
+        "denoise-impulse": lambda: (
+            (
+                torch.where(
+                    torch.rand(shape, generator=gen) < 0.1,
+                    (torch.rand(shape, generator=gen) < 0.5).to(images.dtype),
+                    images,
+                ),
+            ),
+            {"sigma": sigma},
         ),
     }
     return arguments[task]()

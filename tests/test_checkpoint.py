@@ -28,6 +28,7 @@ def test_committed_defaults_equal_a_rebuild(tmp_path: Path) -> None:
         "deblur-kglm",
         "super-resolve-kglm",
         "denoise-poisson-kglm",
+        "denoise-impulse-kglm",
     }
     for folder in built:
         for name in ("config.json", "weights.safetensors"):
@@ -42,6 +43,8 @@ def test_repository_lists_the_shipped_models() -> None:
         ("deblur-kglm", 1, None),
         ("deblur-kglm", 2, None),  # the adaptive kernel guided by 1's output, in closed form
         ("deblur-kglm", 3, None),  # plug-and-play around denoise-kglm:2 (kdeq init --prior)
+        ("denoise-impulse-kglm", 1, None),  # closed form (kdeq init --defaults)
+        ("denoise-impulse-kglm", 2, None),  # denoise-kglm:2's kernel and network (kdeq init --prior)
         ("denoise-kglm", 1, None),
         ("denoise-kglm", 2, None),  # the learned guide, trained from 1's kGLM start by kdeq train
         ("denoise-poisson-kglm", 1, None),  # closed form (kdeq init --defaults)

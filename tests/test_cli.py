@@ -100,10 +100,14 @@ def test_init_from_a_spec_file_writes_a_loadable_checkpoint(tmp_path, capsys) ->
 def test_samples_writes_images_to_try(tmp_path) -> None:
     assert main(["samples", str(tmp_path / "s")]) == 0
     files = {p.name: Image.open(p) for p in (tmp_path / "s").iterdir()}
-    assert set(files) == {"photo.png", "noisy.png", "holes.png", "scan.png", "counts.png"}
+    assert set(files) == {"photo.png", "noisy.png", "holes.png", "scan.png", "counts.png", "impulses.png"}
     assert files["photo.png"].mode == "RGB" and files["scan.png"].mode == "L"
     # photon counts of the photo at a peak of 10, as stored: small integers, not a [0, 1] image
     assert files["counts.png"].mode == "L" and 5 <= np.asarray(files["counts.png"]).max() <= 40
+    # salt and pepper: about a tenth of the pixels black or white in every channel
+    impulses = np.asarray(files["impulses.png"])
+    ends = ((impulses == 0) | (impulses == 255)).all(axis=-1).mean()
+    assert files["impulses.png"].mode == "RGB" and 0.08 < ends < 0.15
     holes = torch.from_numpy(np.asarray(files["holes.png"]).copy())
     assert 0 < (holes > 0).float().mean() < 0.2  # some pixels to fill, most kept
     assert main(["denoise", str(tmp_path / "s" / "noisy.png"), "-o", str(tmp_path / "clean.png")]) == 0

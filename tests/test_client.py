@@ -112,6 +112,9 @@ def cases(tmp_path_factory) -> dict[str, tuple[tuple[object, dict], dict, dict]]
     missing = np.random.default_rng(2).random((SIDE, SIDE)) < 0.3
     # photon counts as a 16-bit detector stores them (uint16 arrays go as 16-bit PNGs)
     photons = np.random.default_rng(3).poisson(300.0 * grey).astype(np.uint16)
+    hit = np.random.default_rng(4).random(grey.shape) < 0.1
+    impulses = np.where(hit, 255 * (np.random.default_rng(5).random(grey.shape) < 0.5), to_uint8(grey))
+    impulses = impulses.astype(np.uint8)
     path = tmp_path_factory.mktemp("inputs") / "grey.png"
     path.write_bytes(encode(to_uint8(grey)))
     return {
@@ -133,6 +136,7 @@ def cases(tmp_path_factory) -> dict[str, tuple[tuple[object, dict], dict, dict]]
             {"image": encode(to_uint8(grey))},
         ),
         "denoise-poisson": ((photons, {"peak": 300.0}), {"peak": "300"}, {"image": encode(photons)}),
+        "denoise-impulse": ((impulses, {"sigma": 10}), {"sigma": "10"}, {"image": encode(impulses)}),
     }
 
 
@@ -563,6 +567,12 @@ def test_kdeq_remote_takes_the_local_commands_arguments_and_reports_errors(
     assert Image.open(tmp_path / "large.png").size == (2 * SIDE, 2 * SIDE)
     printed = capsys.readouterr().out
     assert "super-resolve-kglm" in printed and "converged True" in printed
+    # a task's variant on its host's command, as locally (kdeq.tasks.choice_of)
+    counts = tmp_path / "counts.png"
+    counts.write_bytes(encode(np.random.default_rng(5).poisson(6.0, (SIDE, SIDE)).astype(np.uint8)))
+    rate = tmp_path / "rate.png"
+    assert main([*url, "denoise", str(counts), "-o", str(rate), "--noise", "poisson", "--peak", "6"]) == 0
+    assert "denoise-poisson-kglm" in capsys.readouterr().out and rate.exists()
 
     def refused(args: list[str], status: int, *words: str) -> None:
         assert main(args) == status
@@ -574,6 +584,7 @@ def test_kdeq_remote_takes_the_local_commands_arguments_and_reports_errors(
         [*url, "denoise", one, "-o", str(tmp_path / "x.png"), "--model", "nothing"], 2, "no_model", "HTTP 404"
     )
     refused([*url, "denoise", one, "-o", str(tmp_path / "x.png"), "--sigma", "300"], 2, "sigma", "255")
+    refused([*url, "denoise", one, "-o", str(tmp_path / "x.png"), "--peak", "6"], 2, "--peak: not for")
     assert not (tmp_path / "x.png").exists()
     # every input is read and checked before the first is sent: b's mask is the wrong size, so a is
     # not solved either

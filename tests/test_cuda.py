@@ -18,6 +18,7 @@ from kdeq.conv import conv
 from kdeq.precision import ieee_float32
 from kdeq.predictor import SolverOverride
 from kdeq.repository import load_predictor
+from kdeq.solvers import SPLIT_ONLY, SplitMap
 from kdeq.transforms import dct2, idct2
 from tests.helpers import predict_arguments
 from tests.service_helpers import encode, metric, noisy, run_server, smooth_image, to_uint8
@@ -128,8 +129,10 @@ def test_solvers_agree_with_the_cpu_with_few_host_synchronisations(method: str, 
     (CG's restart checks), not once per step (``torch.cuda.set_sync_debug_mode``)."""
     cfg = SolverConfig(method=method, tol=1e-5, max_iter=300, damping=0.3 if method == "fixed_point" else 1.0)
     f_cpu, z0_cpu = _affine("cpu", batch)
-    z_cpu, s_cpu = solve(f_cpu, z0_cpu, cfg)
     f_gpu, z0_gpu = _affine("cuda", batch)
+    if method in SPLIT_ONLY:  # the affine map split with the identity as prox, damped like fixed_point
+        f_cpu, f_gpu = (SplitMap(pre=f, prox=lambda x, _alpha: x, step=0.3) for f in (f_cpu, f_gpu))
+    z_cpu, s_cpu = solve(f_cpu, z0_cpu, cfg)
     torch.cuda.synchronize()
     with ieee_float32(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

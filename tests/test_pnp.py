@@ -20,7 +20,7 @@ from kdeq.checkpoint import (
 )
 from kdeq.cli import main as kdeq_main
 from kdeq.denoise import Denoiser
-from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, compose_checkpoint, init_tensors
+from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, RETASKED, compose_checkpoint, init_tensors
 from kdeq.operators import Blur
 from kdeq.pnp import data_step, noise_schedule, plug_and_play
 from kdeq.psf import parse_psf
@@ -194,15 +194,25 @@ def test_a_composed_checkpoint_embeds_its_prior_whole(tmp_path: Path) -> None:
     assert "denoise-kglm:2" in config.provenance.notes
 
 
-def test_the_shipped_plug_and_play_model_is_its_composition(tmp_path: Path) -> None:
+def test_the_shipped_models_around_the_denoiser_are_its_composition(tmp_path: Path) -> None:
+    """``kdeq init --prior models/denoise-kglm/2`` rebuilds the plug-and-play deblurrer and the impulse
+    denoiser (``RETASKED``: the prior's spec and tensors under another task) bit for bit."""
     assert (
         kdeq_main(["init", "--prior", str(MODELS / "denoise-kglm" / "2"), "--models-dir", str(tmp_path)]) == 0
     )
-    for spec in PLUG_AND_PLAY_SPECS:
+    built = [(spec.name, spec.version) for spec in PLUG_AND_PLAY_SPECS] + [m[:2] for m in RETASKED]
+    assert ("denoise-impulse-kglm", 2) in built
+    for model, version in built:
         for name in ("config.json", "weights.safetensors"):
-            shipped = MODELS / spec.name / str(spec.version) / name
-            rebuilt = tmp_path / spec.name / str(spec.version) / name
+            shipped = MODELS / model / str(version) / name
+            rebuilt = tmp_path / model / str(version) / name
             assert shipped.read_bytes() == rebuilt.read_bytes(), f"{shipped} differs from a rebuild"
+    impulse = load_checkpoint(tmp_path / "denoise-impulse-kglm" / "2")
+    prior = load_checkpoint(MODELS / "denoise-kglm" / "2")
+    assert (
+        impulse.config.task == "denoise-impulse" and impulse.config.architecture == prior.config.architecture
+    )
+    assert impulse.config.weights_sha256 == prior.config.weights_sha256
 
 
 @pytest.mark.parametrize(

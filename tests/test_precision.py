@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdeq import adaptive, backends, deq, linear, precision
+from kdeq import adaptive, backends, deq, linear, precision, robust
 from kdeq.checkpoint import read_config
 from kdeq.cli import test_image as piecewise_image
 from kdeq.repository import load_predictor
@@ -107,6 +107,8 @@ def test_ieee_float32_is_in_force_inside_every_predictors_solve(
 
     monkeypatch.setattr(F, "conv2d", watched("conv2d", F.conv2d))
     monkeypatch.setattr(linear, "linear_cg", watched("linear_cg", linear.linear_cg))
+    # the impulse denoiser's inner solves (kdeq.robust)
+    monkeypatch.setattr(robust, "linear_cg", watched("linear_cg", robust.linear_cg))
     monkeypatch.setattr(linear, "transform_solve", watched("transform", linear.transform_solve))
     monkeypatch.setattr(deq, "equilibrium", watched("equilibrium", deq.equilibrium))
     monkeypatch.setattr(adaptive.GuidedMap, "forward", watched("guided", adaptive.GuidedMap.forward))

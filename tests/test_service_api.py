@@ -68,6 +68,7 @@ def test_health_ready_and_models(client: TestClient) -> None:
         "deblur-kglm:3",
         "super-resolve-kglm:2",
         "denoise-poisson-kglm:1",
+        "denoise-impulse-kglm:2",
     }
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
     assert models["denoise-kglm:2"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
@@ -94,7 +95,7 @@ def test_metrics_pass_promtool(client: TestClient) -> None:
 def test_openapi_documents_every_parameter_and_error(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
     expected = {
-        "/denoise": {"image", "sigma", "model", "max_iter", "tol", "history", "uncertainty"},
+        "/denoise": {"image", "noise", "sigma", "peak", "model", "max_iter", "tol", "history", "uncertainty"},
         "/inpaint": {"image", "mask", "model", "max_iter", "tol", "history", "uncertainty"},
         "/segment": {"image", "threshold", "output", "model", "max_iter", "tol", "history", "uncertainty"},
     }

@@ -29,6 +29,14 @@ def _kernel_matrix(side: int, norm: float) -> torch.Tensor:
     return gram * norm / dense_spectral_norm(gram)
 
 
+def _for(method: str, f):
+    """``f`` as ``method`` takes it: a solver of ``solvers.SPLIT_ONLY`` gets the split form of ``f``
+    with the identity as prox (``φ = 0``) and step 1, i.e. ``z ← pre(z) = f(z)``."""
+    if method not in solvers.SPLIT_ONLY:
+        return f
+    return solvers.SplitMap(pre=f, prox=lambda x, _alpha: x, step=1.0)
+
+
 def _rel(f, z: torch.Tensor) -> torch.Tensor:
     fz = f(z)
     return (fz - z).norm(dim=1) / fz.norm(dim=1)
@@ -50,7 +58,7 @@ def test_config_rejects_unknown_keys_and_is_frozen() -> None:
 def test_stats_are_per_sample_and_describe_the_returned_iterate(method: str) -> None:
     f, exact = _diagonal_affine(torch.tensor([0.1, 0.5, -0.8], dtype=F64))
     cfg = SolverConfig(method=method, tol=1e-9, max_iter=500, damping=1.0)
-    z, stats = solve(f, torch.zeros(3, 50, dtype=F64), cfg)
+    z, stats = solve(_for(method, f), torch.zeros(3, 50, dtype=F64), cfg)
     assert stats.iterations.shape == stats.residual.shape == stats.converged.shape == (3,)
     assert stats.iterations.dtype == torch.int64 and stats.converged.dtype == torch.bool
     assert stats.converged.all()
@@ -88,7 +96,7 @@ def test_on_the_cpu_a_solve_stops_the_step_it_converges(method: str) -> None:
         return f(z)
 
     cfg = SolverConfig(method=method, tol=1e-6, max_iter=400, damping=1.0, check_every=50)
-    _, stats = solve(counted, torch.zeros(2, 50, dtype=F64), cfg)
+    _, stats = solve(_for(method, counted), torch.zeros(2, 50, dtype=F64), cfg)
     assert stats.converged.all() and int(stats.iterations.max()) < 50
     # one evaluation per step, plus the start's (and CG's f(0) and closing true residual)
     assert calls <= int(stats.iterations.max()) + 3
@@ -234,7 +242,7 @@ def test_map_evaluations_are_the_iterations_plus_at_most_one_look_ahead(
     f, _ = _diagonal_affine(slopes)
     counted, calls = _counting(f)
     cfg = SolverConfig(method=method, tol=1e-8, max_iter=400, damping=1.0)
-    _, stats = solve(counted, torch.zeros(2, 50, dtype=F64), cfg)
+    _, stats = solve(_for(method, counted), torch.zeros(2, 50, dtype=F64), cfg)
     assert stats.converged.all()
     # f(z0), then one per step the slowest sample took, then the look-ahead step's
     assert calls() == 1 + int(stats.iterations.max()) + int(asynchronous)
@@ -314,7 +322,7 @@ def test_the_history_is_the_residual_of_each_plain_iterate_until_each_sample_sto
 def test_every_solver_records_one_residual_per_iteration(method: str) -> None:
     f, _ = _diagonal_affine(torch.tensor([0.1, 0.5, -0.8], dtype=F64))
     cfg = SolverConfig(method=method, tol=1e-9, max_iter=500, damping=1.0, history=True)
-    _, stats = solve(f, torch.zeros(3, 50, dtype=F64), cfg)
+    _, stats = solve(_for(method, f), torch.zeros(3, 50, dtype=F64), cfg)
     for b in range(3):
         recorded = stats.history[b][~stats.history[b].isnan()]
         assert len(recorded) == int(stats.iterations[b]) and bool((recorded > 0).all())

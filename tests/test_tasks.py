@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from kdeq.checkpoint import ModelSpec
 from kdeq.cli import main as kdeq_main
 from kdeq.initialize import DEFAULT_SPECS
-from kdeq.tasks import TASKS, Task, register_task
+from kdeq.tasks import TASKS, Task, Variant, choice_of, register_task
+from kdeq.tasks.base import Options
 from service.app import create_app
 from service.metrics import INFERENCE_ROUTES
 from service.middleware import PROTECTED_ROUTES
@@ -83,15 +84,20 @@ def test_tasks_endpoint_lists_every_task_with_its_options(client) -> None:
 
 
 def test_the_openapi_document_declares_each_tasks_fields(client) -> None:
+    """Each route's form declares its task's options and file inputs and, on a host of variants
+    (``choice_of``), the choosing field and the variants' options and file inputs too."""
     paths = client.get("/openapi.json").json()["paths"]
     for task in TASKS.values():
         form = paths[task.route]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
         ref = form["$ref"].rsplit("/", 1)[-1]
         props = client.get("/openapi.json").json()["components"]["schemas"][ref]["properties"]
+        choice = choice_of(task)
+        tasks = [task] if choice is None else list(choice.tasks.values())
         names = {
             "image",
-            *task.options.model_fields,
-            *(f.name for f in task.files),
+            *([] if choice is None else [choice.field]),
+            *(name for t in tasks for name in t.options.model_fields),
+            *(f.name for t in tasks for f in t.files),
             "model",
             "max_iter",
             "tol",
@@ -128,6 +134,88 @@ def test_a_spec_of_an_unregistered_task_is_refused() -> None:
 def test_a_task_name_registers_once() -> None:
     with pytest.raises(ValueError, match="registered twice"):
         register_task(type("Again", (Task,), {"name": "denoise"}))
+
+
+@pytest.mark.parametrize(
+    ("variant", "why"),
+    [
+        (Variant("sharpen", "noise", "speckle", "gaussian", ""), "not a registered task"),
+        (Variant("denoise-poisson", "noise", "speckle", "gaussian", ""), "not a registered task without"),
+        (Variant("denoise", "noise", "poisson", "gaussian", ""), "taken"),
+        (Variant("denoise", "noise", "gaussian", "gaussian", ""), "taken"),
+        (Variant("denoise", "model", "speckle", "gaussian", ""), "chosen by noise='gaussian' already"),
+        (Variant("denoise", "noise", "speckle", "none", ""), "chosen by noise='gaussian' already"),
+    ],
+)
+def test_a_variant_that_its_host_route_could_not_take_is_refused(variant: Variant, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        register_task(type("Speckle", (Task,), {"name": "denoise-speckle", "variant": variant}))
+    assert "denoise-speckle" not in TASKS
+
+
+class ClashingOptions(Options):
+    sigma: float = 3.0  # the host's option name, read differently
+
+
+def test_a_variant_whose_fields_would_mean_two_things_is_refused() -> None:
+    """An option named like the host's (``sigma``) but read differently cannot share the host's route;
+    the same field can (the impulse denoiser shares ``denoise``'s ``sigma``)."""
+    assert choice_of(TASKS["denoise"]).pick("impulse").options is TASKS["denoise"].options
+    clash = ClashingOptions
+    variant = Variant("denoise", "noise", "speckle", "gaussian", "")
+    with pytest.raises(ValueError, match=r"the fields \['sigma'\] of /denoise"):
+        register_task(
+            type("Speckle", (Task,), {"name": "denoise-speckle", "variant": variant, "options": clash})
+        )
+    assert "denoise-speckle" not in TASKS
+
+
+def test_a_variant_answers_on_its_hosts_route_as_on_its_own(client) -> None:
+    """``POST /denoise`` with ``noise=poisson`` is answered by the photon-count denoiser exactly as
+    ``POST /denoise-poisson``; another task's field, or an unknown value, is refused before any solve."""
+    key = {"X-API-Key": KEY}
+    counts = np.random.default_rng(2).poisson(8.0 * smooth_image(40, 48)).astype(np.uint8)
+    files = {"image": encode(counts)}
+    own = client.post("/denoise-poisson", files=files, data={"peak": "8"}, headers=key)
+    via = client.post("/denoise", files=files, data={"noise": "poisson", "peak": "8"}, headers=key)
+    assert own.status_code == via.status_code == 200, via.text
+    assert via.content == own.content
+    assert via.headers["X-KDEQ-Model"].startswith("denoise-poisson-kglm:")
+    assert via.headers["X-KDEQ-Peak"] == own.headers["X-KDEQ-Peak"]
+    hit = np.random.default_rng(4).random((40, 48)) < 0.1
+    salt = encode(np.where(hit, 255, to_uint8(smooth_image(40, 48))).astype(np.uint8))
+    own = client.post("/denoise-impulse", files={"image": salt}, data={"sigma": "5"}, headers=key)
+    via = client.post("/denoise", files={"image": salt}, data={"noise": "impulse", "sigma": "5"}, headers=key)
+    assert own.status_code == via.status_code == 200 and via.content == own.content, via.text
+    assert via.headers["X-KDEQ-Model"].startswith("denoise-impulse-kglm:")
+    gaussian = client.post("/denoise", files=files, data={"noise": "gaussian", "sigma": "20"}, headers=key)
+    assert gaussian.status_code == 200 and gaussian.headers["X-KDEQ-Model"].startswith("denoise-kglm:")
+    for data in ({"peak": "8"}, {"noise": "poisson", "sigma": "20"}):
+        r = client.post("/denoise", files=files, data=data, headers=key)
+        assert r.status_code == 422 and r.json()["error"] == "misplaced_option", r.text
+    assert client.post("/denoise", files=files, data={"noise": "speckle"}, headers=key).status_code == 422
+    listed = {t["name"]: t for t in client.get("/tasks", headers=key).json()}
+    assert listed["denoise-poisson"]["also"] == {"route": "/denoise", "field": "noise", "value": "poisson"}
+    assert listed["denoise"]["also"] is None
+
+
+def test_a_variant_answers_on_its_hosts_command_as_on_its_own(tmp_path, capsys) -> None:
+    """``kdeq denoise IN -o OUT --noise poisson --peak P`` writes what ``kdeq denoise-poisson`` writes;
+    another task's option is an error (exit 2) naming it."""
+    source = tmp_path / "counts.png"
+    Image.fromarray(np.random.default_rng(3).poisson(8.0 * smooth_image(40, 48)).astype(np.uint8)).save(
+        source
+    )
+    own, via = tmp_path / "own.png", tmp_path / "via.png"
+    assert kdeq_main(["denoise-poisson", str(source), "-o", str(own), "--peak", "8"]) == 0
+    assert kdeq_main(["denoise", str(source), "-o", str(via), "--noise", "poisson", "--peak", "8"]) == 0
+    assert via.read_bytes() == own.read_bytes()
+    capsys.readouterr()
+    assert kdeq_main(["denoise", str(source), "-o", str(via), "--peak", "8"]) == 2
+    assert "--peak: not for --noise gaussian" in capsys.readouterr().err
+    argv = ["denoise", str(source), "-o", str(via), "--noise", "poisson", "--sigma", "9"]
+    assert kdeq_main(argv) == 2
+    assert "--sigma: not for --noise poisson" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", list(TASKS))

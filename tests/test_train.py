@@ -13,7 +13,7 @@ from PIL import Image
 from kdeq.checkpoint import load_checkpoint
 from kdeq.cli import main as kdeq_main
 from kdeq.denoise import Denoiser
-from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, init_tensors
+from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, RETASKED, init_tensors
 from kdeq.operators import Blur, BlurSubsample
 from kdeq.predictor import SolverOverride
 from kdeq.psf import bicubic_taps, parse_psf
@@ -524,8 +524,10 @@ def test_a_task_without_training_hooks_is_refused(
 
 SET12 = ROOT.parent / "shared" / "data" / "Set12"
 # every committed checkpoint that is neither a closed-form default (rebuilt bit for bit by
-# tests/test_checkpoint.py) nor a composition (rebuilt by tests/test_pnp.py)
-CLOSED_FORM = {(s.name, str(s.version)) for s in DEFAULT_SPECS + PLUG_AND_PLAY_SPECS}
+# tests/test_checkpoint.py) nor a composition or retasked copy (rebuilt by tests/test_pnp.py)
+CLOSED_FORM = {(s.name, str(s.version)) for s in DEFAULT_SPECS + PLUG_AND_PLAY_SPECS} | {
+    (name, str(version)) for name, version, *_ in RETASKED
+}
 TUNED = [
     p.parent
     for p in sorted((ROOT / "models").glob("*/*/config.json"))

@@ -92,6 +92,27 @@ class ResultField:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """How a task is also asked for on another task's route and command: ``POST /<host>`` and
+    ``kdeq <host>`` with ``<field>=<value>`` run it, and ``<field>=<default>`` (the field's default)
+    runs the host itself (``/denoise`` with ``noise=poisson``; ``kdeq.tasks.Choice``).
+
+    Attributes:
+        host: the task whose route and command take the field.
+        field: the form field and ``--field`` option.
+        value: the field's value that picks this task.
+        default: the field's value that picks the host (the same for every variant of a host).
+        description: what ``value`` means, for the field's help.
+    """
+
+    host: str
+    field: str
+    value: str
+    default: str
+    description: str
+
+
+@dataclass(frozen=True)
 class Request:
     """One request to a task.
 
@@ -173,6 +194,8 @@ class Task:
         counts: whether its images are photon counts: a ``Request``'s image then holds the integer
             pixel values as stored (0–255 in an 8-bit file, 0–65535 in a 16-bit one), not [0, 1]
             (``counts_of``).
+        variant: how it is also asked for on another task's route and command, ``None`` when only on
+            its own.
         architectures: the architecture kinds (``kdeq.checkpoint``) its models may have.
         network: the conditioning (``kdeq.guidenet.GuideNet.condition``) a network of its models has,
             ``None`` when they have none.
@@ -190,6 +213,7 @@ class Task:
     fields: ClassVar[tuple[ResultField, ...]] = ()
     grey_output: ClassVar[bool] = False
     counts: ClassVar[bool] = False
+    variant: ClassVar[Variant | None] = None
     architectures: ClassVar[tuple[str, ...]] = ("conv",)
     network: ClassVar[str | None] = None
     score_name: ClassVar[str] = "psnr"

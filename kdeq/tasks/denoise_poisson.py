@@ -12,7 +12,7 @@ from pydantic import Field
 from kdeq.photon import PhotonDenoiser
 from kdeq.predictor import Prediction
 from kdeq.tasks import register_task
-from kdeq.tasks.base import InputError, Options, Request, ResultField, Task
+from kdeq.tasks.base import InputError, Options, Request, ResultField, Task, Variant
 
 
 class DenoisePoissonOptions(Options):
@@ -39,6 +39,13 @@ class DenoisePoisson(Task):
     options = DenoisePoissonOptions
     fields = (ResultField("peak", "counts shown as full scale: rate = pixel ÷ full scale × peak", ".6g"),)
     counts = True
+    variant = Variant(
+        "denoise",
+        "noise",
+        "poisson",
+        "gaussian",
+        "photon counts as stored, with `peak`",
+    )
     architectures = ("guided",)
     network = "sigma"
 
