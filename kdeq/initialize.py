@@ -73,6 +73,13 @@ def init_checkpoint(spec: ModelSpec, root: Path) -> tuple[Path, ModelConfig]:
     return directory, save_checkpoint(directory, spec, init_tensors(spec), KGLM_PROVENANCE)
 
 
+def _built_from(own: ModelConfig, how: str) -> Provenance:
+    """The provenance of a model built from the checkpoint ``own``: its training's (init, data,
+    epochs), with notes ``how`` followed by its own notes."""
+    origin = own.provenance
+    return Provenance(init=origin.init, data=origin.data, epochs=origin.epochs, notes=f"{how} {origin.notes}")
+
+
 def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[Path, ModelConfig]:
     """Write the plug-and-play ``spec`` around the denoiser checkpoint ``prior`` to
     ``root/<name>/<version>``: ``prior``'s spec replaces ``spec``'s and its tensors are embedded (a
@@ -86,12 +93,8 @@ def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[
     data = spec.model_dump()
     data["architecture"]["prior"] = prior_spec.model_dump()
     spec = ModelSpec.model_validate(data)
-    origin = own.provenance
-    provenance = Provenance(
-        init=origin.init,
-        data=origin.data,
-        epochs=origin.epochs,
-        notes=f"plug-and-play around {own.name}:{own.version} (kdeq init --prior); the prior: {origin.notes}",
+    provenance = _built_from(
+        own, f"plug-and-play around {own.name}:{own.version} (kdeq init --prior); the prior:"
     )
     directory = root / spec.name / str(spec.version)
     return directory, save_checkpoint(directory, spec, embed_prior(prior.tensors), provenance)
@@ -109,12 +112,8 @@ def retask_checkpoint(
         own.model_dump(include=set(ModelSpec.model_fields))
         | {"name": name, "version": version, "task": task, "description": description}
     )
-    origin = own.provenance
-    provenance = Provenance(
-        init=origin.init,
-        data=origin.data,
-        epochs=origin.epochs,
-        notes=f"{own.name}:{own.version}'s kernel and network for {task} (kdeq init --prior); {origin.notes}",
+    provenance = _built_from(
+        own, f"{own.name}:{own.version}'s kernel and network for {task} (kdeq init --prior);"
     )
     directory = root / name / str(version)
     return directory, save_checkpoint(directory, spec, prior.tensors, provenance)

@@ -28,10 +28,8 @@ convolutions, a few thousand parameters, and seeds and epochs sized for two CPU 
 
 from __future__ import annotations
 
-import json
 import math
 import platform
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -41,6 +39,7 @@ import torch
 from torch import nn
 
 from kdeq.solvers import SolverConfig
+from kdeq.train.experiment import run_and_write
 
 PARAM_TOLERANCE = 0.02  # the two models' parameter counts may differ by at most this fraction
 KNOWN = (0, 1, 2, 3, 4)  # the classes the unseen-class models are trained on
@@ -471,20 +470,7 @@ def main(args) -> int:
         readout_lr=args.readout_lr,
         seed=args.seed,
     )
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        result = run(setup)
-    except (ValueError, OSError) as err:
-        print(f"kdeq experiment kerdeq: error: {err}", file=sys.stderr)
-        return 2
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    table = table_markdown(result)
-    (out / "table.md").write_text(table)
-    plot(out / "gamma.png", result)
-    print(table)
-    print(f"wrote {out / 'results.json'}, {out / 'table.md'} and {out / 'gamma.png'}")
-    return 0
+    return run_and_write("kerdeq", Path(args.out), lambda: run(setup), table_markdown, {"gamma.png": plot})
 
 
 def add_arguments(p) -> None:

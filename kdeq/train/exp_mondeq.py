@@ -50,9 +50,7 @@ step counts sized for two CPU cores.
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -62,6 +60,7 @@ import torch
 
 from kdeq.solvers import SolverConfig
 from kdeq.train.exp_kerdeq import machine, mean_std
+from kdeq.train.experiment import run_and_write
 
 CONVERGED_BELOW = 1e-6  # a trajectory converged when its final relative residual is below this
 DIVERGED_ABOVE = 1e8  # ... diverged when an iterate's norm exceeds this (or is not finite)
@@ -553,22 +552,8 @@ def main(args) -> int:
         trajectory_steps=args.trajectory_steps,
         seed=args.seed,
     )
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        result = run(setup)
-    except (ValueError, OSError) as err:
-        print(f"kdeq experiment mondeq: error: {err}", file=sys.stderr)
-        return 2
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    table = table_markdown(result)
-    (out / "table.md").write_text(table)
-    plot_gd(out / "gd.png", result)
-    plot_stability(out / "trajectories.png", result)
-    print(table)
-    names = ", ".join(str(out / n) for n in ("results.json", "table.md", "gd.png", "trajectories.png"))
-    print(f"wrote {names}")
-    return 0
+    plots = {"gd.png": plot_gd, "trajectories.png": plot_stability}
+    return run_and_write("mondeq", Path(args.out), lambda: run(setup), table_markdown, plots)
 
 
 def add_arguments(p) -> None:

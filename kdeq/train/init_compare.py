@@ -29,9 +29,7 @@ count sized for two CPU cores.
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +44,7 @@ from kdeq.priors import GaussianPrior
 from kdeq.solvers import SolverConfig
 from kdeq.spectral import circular_spectral_norm
 from kdeq.train.data import image_files, load_images, random_patch, sample_generator
+from kdeq.train.experiment import run_and_write
 
 FAILED_BELOW = 0.9  # a run fails at an epoch when fewer of its test solves converge
 
@@ -296,20 +295,13 @@ def main(args) -> int:
         test_patches=args.test_patches,
         seed=args.seed,
     )
-    out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        result = run(setup)
-    except (ValueError, OSError) as err:
-        print(f"kdeq experiment init-compare: error: {err}", file=sys.stderr)
-        return 2
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    table = table_markdown(result["table"])
-    (out / "table.md").write_text(table)
-    scatter(out / "scatter.png", result)
-    print(table)
-    print(f"wrote {out / 'results.json'}, {out / 'table.md'} and {out / 'scatter.png'}")
-    return 0
+    return run_and_write(
+        "init-compare",
+        Path(args.out),
+        lambda: run(setup),
+        lambda result: table_markdown(result["table"]),
+        {"scatter.png": scatter},
+    )
 
 
 def add_arguments(p) -> None:
