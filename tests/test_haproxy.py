@@ -243,8 +243,11 @@ def test_a_replicas_own_503_reaches_the_client_untouched(tmp_path) -> None:
     # One replica with room for one queued request. Two large solves fill it (one solving, one
     # queued); small requests then meet kdeq's 503 `queue_full` with its Retry-After. They are small
     # so that HAProxy could replay them (it can only replay a request that fits in its buffer): the
-    # config must not, nor replace the answer with its own.
-    big = encode(to_uint8(noisy(smooth_image(384, 384), 25.0)))
+    # config must not, nor replace the answer with its own. The large solves must outlast the small
+    # requests' round trips: at 384² the first one sometimes finished before the first small request
+    # arrived, leaving the queue room (3 failures in 11 runs on the 2-core development machine, two of
+    # them in whole-suite runs); 768² takes about four times as long.
+    big = encode(to_uint8(noisy(smooth_image(768, 768), 25.0)))
     with replicas(tmp_path, 1, queue_size=1) as (only,), balancer(tmp_path, [only], "2s") as lb:
         before = served(only)
 
