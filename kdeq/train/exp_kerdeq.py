@@ -29,7 +29,6 @@ convolutions, a few thousand parameters, and seeds and epochs sized for two CPU 
 from __future__ import annotations
 
 import math
-import platform
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -39,7 +38,7 @@ import torch
 from torch import nn
 
 from kdeq.solvers import SolverConfig
-from kdeq.train.experiment import run_and_write
+from kdeq.train.experiment import machine, mean_std, run_and_write
 
 PARAM_TOLERANCE = 0.02  # the two models' parameter counts may differ by at most this fraction
 KNOWN = (0, 1, 2, 3, 4)  # the classes the unseen-class models are trained on
@@ -62,17 +61,6 @@ class Setup:
     max_iter: int = 50
     tol: float = 1e-4
     seed: int = 0
-
-
-def machine() -> dict[str, str | int]:
-    """Where the numbers were measured: platform, Python, torch and its thread count."""
-    return {
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
 
 
 def digits(seed: int, test_fraction: float) -> dict[str, torch.Tensor]:
@@ -216,13 +204,6 @@ def run_unseen(setup: Setup, kind: str, latent: int, data: dict, seed: int) -> d
         "converged": (conv_known * te.sum().item() + conv_unseen * (~te).sum().item()) / len(te),
         "params": count(model),
     }
-
-
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """The mean and the sample standard deviation (0 for one value)."""
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
-    return mean, math.sqrt(var)
 
 
 def paired(a: list[float], b: list[float]) -> dict[str, float]:

@@ -59,8 +59,7 @@ from pathlib import Path
 import torch
 
 from kdeq.solvers import SolverConfig
-from kdeq.train.exp_kerdeq import machine, mean_std
-from kdeq.train.experiment import run_and_write
+from kdeq.train.experiment import machine, mean_std, run_and_write
 
 CONVERGED_BELOW = 1e-6  # a trajectory converged when its final relative residual is below this
 DIVERGED_ABOVE = 1e8  # ... diverged when an iterate's norm exceeds this (or is not finite)

@@ -1,14 +1,37 @@
-"""What every ``kdeq experiment`` command does once its setup is parsed: run, then write
-``results.json``, ``table.md`` and its plots into the output folder, and print the table."""
+"""What every ``kdeq experiment`` command shares: the summary over seeds (``mean_std``), where the
+numbers were measured (``machine``), and, once its setup is parsed, the run that writes
+``results.json``, ``table.md`` and its plots into the output folder and prints the table."""
 
 from __future__ import annotations
 
 import json
+import math
+import platform
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import torch
+
 Plot = Callable[[Path, dict], None]
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """The mean and the sample standard deviation (0 for one value)."""
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
+    return mean, math.sqrt(var)
+
+
+def machine() -> dict[str, str | int]:
+    """Where the numbers were measured: platform, Python, torch and its thread count."""
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def run_and_write(

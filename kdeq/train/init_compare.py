@@ -44,7 +44,7 @@ from kdeq.priors import GaussianPrior
 from kdeq.solvers import SolverConfig
 from kdeq.spectral import circular_spectral_norm
 from kdeq.train.data import image_files, load_images, random_patch, sample_generator
-from kdeq.train.experiment import run_and_write
+from kdeq.train.experiment import mean_std, run_and_write
 
 FAILED_BELOW = 0.9  # a run fails at an epoch when fewer of its test solves converge
 
@@ -208,8 +208,7 @@ def summarize(runs: list[dict], setup: Setup) -> list[dict]:
                 mse = v["mse"] if not v["failed"] else worst
                 by_scale.setdefault(r["scale"], []).append(math.log(mse) if mse > 0 else float("nan"))
             best_scale, logs = min(by_scale.items(), key=lambda kv: sum(kv[1]) / len(kv[1]))
-            mean = sum(logs) / len(logs)
-            std = math.sqrt(sum((x - mean) ** 2 for x in logs) / max(1, len(logs) - 1))
+            mean, std = mean_std(logs)
             rows.append(
                 {
                     "arm": arm,
