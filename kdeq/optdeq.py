@@ -174,7 +174,24 @@ class OptEq(_EnergyDEQ):
         return (x.shape[0], self.w.shape[1])
 
 
-class KerDEQ(_EnergyDEQ):
+class _GaussianKernelDEQ(_EnergyDEQ):
+    """An ``_EnergyDEQ`` whose ``Φ`` is a Gaussian kernel ``(1/2γ)·exp(−γ‖·‖²)``: its fixed ``γ > 0``."""
+
+    def __init__(
+        self, gamma: float, activation: str, solver: SolverConfig | None, backward: Backward
+    ) -> None:
+        super().__init__(activation, solver, backward)
+        if not gamma > 0:
+            raise ValueError(f"gamma must be positive, got {gamma}")
+        self._gamma = float(gamma)
+
+    @property
+    def gamma(self) -> float:
+        """The kernel's ``γ``."""
+        return self._gamma
+
+
+class KerDEQ(_GaussianKernelDEQ):
     """KerDEQ: ``z = σ(exp(−γ‖r‖²)·Wᵀr)``, ``r = Ux + b − Wz``, a stationary point of
     ``1ᵀf(z) + ½‖z‖² − (1/2γ)·exp(−γ‖r‖²)``.
 
@@ -194,19 +211,11 @@ class KerDEQ(_EnergyDEQ):
         backward: Backward = "implicit",
         seed: int = 0,
     ) -> None:
-        super().__init__(activation, solver, backward)
-        if not gamma > 0:
-            raise ValueError(f"gamma must be positive, got {gamma}")
-        self._gamma = float(gamma)
+        super().__init__(gamma, activation, solver, backward)
         gen = torch.Generator().manual_seed(seed)
         self.w = nn.Parameter(_spectral((n_latent, n_hidden), W_NORM, gen))
         self.u = nn.Parameter(torch.randn((n_latent, n_in), generator=gen) / (n_in * n_latent) ** 0.5)
         self.b = nn.Parameter(torch.zeros(n_latent))
-
-    @property
-    def gamma(self) -> float:
-        """The kernel's ``γ`` in ``exp(−γ‖r‖²)``."""
-        return self._gamma
 
     def _inject(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.u.T + self.b
@@ -223,7 +232,7 @@ class KerDEQ(_EnergyDEQ):
         return (x.shape[0], self.w.shape[1])
 
 
-class PatchKerDEQ(_EnergyDEQ):
+class PatchKerDEQ(_GaussianKernelDEQ):
     """KerDEQ on images (Algorithm 1): ``z = σ(Wᵀm)``, ``m = Σ_j P_jᵀ m̃_j``,
     ``m̃_j = exp(−γ‖r̃_j W_h‖²)·r̃_j W_h W_hᵀ`` over the ``patch × patch`` patches ``r̃_j`` of
     ``r = Ux + b − Wz`` — a stationary point of ``1ᵀf(z) + ½‖z‖² − (1/2γ)·Σ_j exp(−γ‖r̃_j W_h‖²)``.
@@ -251,12 +260,9 @@ class PatchKerDEQ(_EnergyDEQ):
         backward: Backward = "implicit",
         seed: int = 0,
     ) -> None:
-        super().__init__(activation, solver, backward)
+        super().__init__(gamma, activation, solver, backward)
         if kernel_size < 1 or kernel_size % 2 == 0 or patch < 1 or patch % 2 == 0:
             raise ValueError(f"kernel_size and patch must be odd and positive, got {kernel_size}, {patch}")
-        if not gamma > 0:
-            raise ValueError(f"gamma must be positive, got {gamma}")
-        self._gamma = float(gamma)
         self.kernel_size = kernel_size
         self.patch = patch
         p = c_latent * patch**2
@@ -273,11 +279,6 @@ class PatchKerDEQ(_EnergyDEQ):
         with torch.no_grad():
             # ‖A‖² is quadratic in W
             self.w.mul_(W_NORM / self._bound(gen).sqrt())
-
-    @property
-    def gamma(self) -> float:
-        """The kernel's ``γ`` in ``exp(−γ‖r̃_j W_h‖²)``."""
-        return self._gamma
 
     def _inject(self, x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, self.u, self.b, padding=self.kernel_size // 2)
