@@ -100,6 +100,16 @@ def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[
     return directory, save_checkpoint(directory, spec, embed_prior(prior.tensors), provenance)
 
 
+def retasked(spec: ModelSpec, name: str, version: int, task: str, description: str) -> ModelSpec:
+    """``spec`` (a ``ModelSpec`` or a checkpoint's config) as a model of another task: the same kernel,
+    network, ``λ`` rule, mean and solver under a new ``name``, ``version``, ``task`` and
+    ``description``, validated for that task."""
+    own = spec.model_dump(include=set(ModelSpec.model_fields))
+    return ModelSpec.model_validate(
+        own | {"name": name, "version": version, "task": task, "description": description}
+    )
+
+
 def retask_checkpoint(
     name: str, version: int, task: str, description: str, prior: Checkpoint, root: Path
 ) -> tuple[Path, ModelConfig]:
@@ -108,10 +118,7 @@ def retask_checkpoint(
     kernel and network (``RETASKED``; a rebuild reproduces the files bit for bit). Returns the folder
     and config."""
     own = prior.config
-    spec = ModelSpec.model_validate(
-        own.model_dump(include=set(ModelSpec.model_fields))
-        | {"name": name, "version": version, "task": task, "description": description}
-    )
+    spec = retasked(own, name, version, task, description)
     provenance = _built_from(
         own, f"{own.name}:{own.version}'s kernel and network for {task} (kdeq init --prior);"
     )
@@ -141,16 +148,19 @@ GUIDED_DENOISER = GuidedArchitecture(
     smoothing=0.7,
 )
 
+#: the closed-form adaptive denoiser, ``denoise-kglm:1``
+DENOISER = ModelSpec(
+    name="denoise-kglm",
+    task="denoise",
+    description="Adaptive-kernel kGLM denoiser (grey or colour, any size); σ given or estimated.",
+    architecture=GUIDED_DENOISER,
+    lam=NoiseLambda(signal_variance=0.005),
+    mean="local",
+    solver=SolverConfig(method="cg", tol=1e-4, max_iter=100),
+)
+
 DEFAULT_SPECS: tuple[ModelSpec, ...] = (
-    ModelSpec(
-        name="denoise-kglm",
-        task="denoise",
-        description="Adaptive-kernel kGLM denoiser (grey or colour, any size); σ given or estimated.",
-        architecture=GUIDED_DENOISER,
-        lam=NoiseLambda(signal_variance=0.005),
-        mean="local",
-        solver=SolverConfig(method="cg", tol=1e-4, max_iter=100),
-    ),
+    DENOISER,
     ModelSpec(
         name="denoise-stationary-kglm",
         task="denoise",
@@ -239,16 +249,14 @@ DEFAULT_SPECS: tuple[ModelSpec, ...] = (
         mean="local",
         solver=SolverConfig(method="anderson", tol=1e-4, max_iter=100),
     ),
-    ModelSpec(
-        name="denoise-impulse-kglm",
-        task="denoise-impulse",
-        description="Robust adaptive-kernel kGLM denoiser for Gaussian noise plus salt-and-pepper "
-        "impulses: the impulses left unobserved, the rest fitted under a Welsch (KerDEQ) data term; σ "
-        "given or estimated on the impulse-free pixels.",
-        architecture=GUIDED_DENOISER,
-        lam=NoiseLambda(signal_variance=0.005),
-        mean="local",
-        solver=SolverConfig(method="cg", tol=1e-4, max_iter=100),
+    retasked(
+        DENOISER,
+        "denoise-impulse-kglm",
+        1,
+        "denoise-impulse",
+        "Robust adaptive-kernel kGLM denoiser for Gaussian noise plus salt-and-pepper impulses: the "
+        "impulses left unobserved, the rest fitted under a Welsch (KerDEQ) data term; σ given or "
+        "estimated on the impulse-free pixels.",
     ),
 )
 
