@@ -49,6 +49,13 @@ class SolverOverride(BaseModel):
     history: bool | None = None
 
 
+def overridden(config: SolverConfig, override: SolverOverride | None) -> SolverConfig:
+    """``config`` with ``override``'s set fields applied."""
+    if override is None:
+        return config
+    return config.model_copy(update=override.model_dump(exclude_none=True))
+
+
 @dataclass(frozen=True)
 class Prediction:
     """A batch's results.
@@ -233,9 +240,7 @@ class Predictor:
 
     def solver(self, override: SolverOverride | None) -> SolverConfig:
         """The model's solver defaults with ``override``'s set fields applied."""
-        if override is None:
-            return self.config.solver
-        return self.config.solver.model_copy(update=override.model_dump(exclude_none=True))
+        return overridden(self.config.solver, override)
 
     def images(self, images: torch.Tensor) -> torch.Tensor:
         """Validate a batch ``(B, c, H, W)`` and move it to the device as float32."""

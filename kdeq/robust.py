@@ -78,7 +78,7 @@ from kdeq.checkpoint import GuidedArchitecture, NoiseLambda
 from kdeq.denoise import Denoiser
 from kdeq.filters import gaussian_taps, mirror_pad, normalized_convolution
 from kdeq.noise import MAD_TO_STD
-from kdeq.predictor import Prediction, SolverOverride
+from kdeq.predictor import Prediction, SolverOverride, overridden
 from kdeq.solvers import SolverConfig, SolverStats, fixed_point, linear_cg
 
 #: ``κₑ``: a pixel at an end of the range is unobserved when further than ``κₑσ`` from the median of
@@ -318,8 +318,7 @@ class ImpulseDenoiser(Denoiser):
         ``(B,)``, or ``None``: ``robust_sigma``. ``solver`` overrides the outer (half-quadratic)
         iteration's limits, whose statistics the prediction reports; each inner solve is the
         checkpoint's CG."""
-        outer = OUTER if solver is None else OUTER.model_copy(update=solver.model_dump(exclude_none=True))
-        robust = RobustDenoiser(self, outer=outer)
+        robust = RobustDenoiser(self, outer=overridden(OUTER, solver))
         result = robust.solve(robust.problem(images, sigma))
         problem = result.problem
         return Prediction(result.output, result.stats, problem.lam, sigma=problem.sigma * 255.0)

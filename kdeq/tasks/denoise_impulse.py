@@ -11,8 +11,8 @@ import torch
 from kdeq.predictor import Prediction
 from kdeq.robust import ImpulseDenoiser
 from kdeq.tasks import register_task
-from kdeq.tasks.base import Request, ResultField, Task, Variant, noise_levels
-from kdeq.tasks.denoise import DenoiseOptions
+from kdeq.tasks.base import Request, Task, Variant, noise_levels
+from kdeq.tasks.denoise import Denoise, DenoiseOptions
 
 
 @register_task
@@ -27,7 +27,7 @@ class DenoiseImpulse(Task):
     sample = "impulses"
     predictor = ImpulseDenoiser
     options = DenoiseOptions
-    fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
+    fields = Denoise.fields
     variant = Variant(
         "denoise", "noise", "impulse", "gaussian", "Gaussian noise plus salt-and-pepper impulses"
     )
