@@ -302,6 +302,12 @@ GROWN_SPECS: tuple[ModelSpec, ...] = (
         GuideNet(),
     ),
     _grown(
+        "denoise-poisson-kglm",
+        "Poisson kGLM denoiser of photon counts whose guide and mean come from a small learned network "
+        "on the variance-stabilised image (8- or 16-bit, grey or colour).",
+        GuideNet(),
+    ),
+    _grown(
         "super-resolve-kglm",
         "Kernel ridge regression through the bicubic degradation around a mean from a small learned "
         "network on the bicubic interpolation (×2, ×3, ×4).",

@@ -99,27 +99,49 @@ class PhotonDenoiser(Denoiser):
         the counts shown as full scale, scalar or ``(B,)`` (default ``PEAK_QUANTILE`` of the estimate).
 
         ``output`` is ``r̂/peak`` ``(B, c, H, W)``, ``peak`` the peak used ``(B,)``, ``pilot`` the
-        guide network's ``I(p)`` in counts (``None`` without one)."""
-        y = self.images(counts)
-        if bool((y < 0).any()):
-            raise ValueError("photon counts are non-negative")
+        guide network's ``I(p)/peak``, on the output's scale (``None`` without one)."""
+        y = self.counts(counts)
         u, s_u, span = self.stabilised(y)
         op, pilot_u = self.guided_operator(u, s_u)
         rate = op.kernel(y) / op.degree.clamp(min=torch.finfo(y.dtype).tiny)
         pilot = None
         if pilot_u is not None:
-            pilot = inverse_anscombe(pilot_u * span.reshape(-1, 1, 1, 1) + ANSCOMBE_ZERO)
+            pilot = self.pilot_rate(pilot_u, span)
             beta = self.tensors["net_mean_mix"]
             rate = beta * pilot + (1 - beta) * rate
         mean = torch.log(rate.clamp(min=RATE_FLOOR))
-        top = max(float(y.max()), float(rate.max()), 1.0)
+        top = max(float(y.max()), float(rate.detach().max()), 1.0)
         family = Poisson(eta_max=math.log(top) + ETA_MARGIN)
         lam = self.lam(torch.zeros(y.shape[0], device=y.device))
         layer = self.kglm_layer(family, lam, lambda _, s: GuidedMap(op, s), tied=True)
         out = layer(y, mean=mean, mean_out=mean, z0=family.sigma(mean), solver=self._damped(solver, top, lam))
         estimate = family.sigma(out.eta)
-        full = self.peak(estimate, peak)
-        return Prediction(estimate / full.reshape(-1, 1, 1, 1), out.stats, lam, pilot=pilot, peak=full)
+        full = self.peak(estimate, peak).reshape(-1, 1, 1, 1)
+        shown = None if pilot is None else pilot / full
+        return Prediction(estimate / full, out.stats, lam, pilot=shown, peak=full.reshape(-1))
+
+    def pilot_only(self, counts: torch.Tensor, peak: float | Sequence[float] | torch.Tensor) -> torch.Tensor:
+        """The guide network's rate ``I(p)/peak`` ``(B, c, H, W)`` alone, without the solve (the
+        trainer's pilot phase), for ``counts`` ``(B, c, H, W)`` and ``peak`` scalar or ``(B,)``."""
+        if self.config.architecture.net is None:
+            raise ValueError(f"{self.name} has no guide network")
+        y = self.counts(counts)
+        u, s_u, span = self.stabilised(y)
+        rate = self.pilot_rate(self.guide(u, s_u)[1], span)
+        return rate / self.peak(rate, peak).reshape(-1, 1, 1, 1)
+
+    def counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` ``(B, c, H, W)`` on the model's device and dtype; ``ValueError`` for a negative one."""
+        y = self.images(counts)
+        if bool((y < 0).any()):
+            raise ValueError("photon counts are non-negative")
+        return y
+
+    @staticmethod
+    def pilot_rate(pilot_u: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+        """``I(p·span + a(0))`` ``(B, c, H, W)``: the guide network's pilot ``p`` ``(B, c, H, W)`` of the
+        stabilised image mapped back to counts (``span`` ``(B,)``, module docstring)."""
+        return inverse_anscombe(pilot_u * span.reshape(-1, 1, 1, 1) + ANSCOMBE_ZERO)
 
     def _damped(self, override: SolverOverride | None, top: float, lam: torch.Tensor) -> SolverConfig:
         """The solver with its damping at most ``2/(1 + L)``, ``L = top/min λ``: the map's Jacobian
@@ -127,7 +149,7 @@ class PhotonDenoiser(Denoiser):
         (spectral radius ≤ 1), so ``z ↦ (1 − β)z + βf(z)`` contracts its linearisation. At a few
         photons nothing changes; at thousands the undamped map overshoots (``tests/test_photon.py``)."""
         config = self.solver(override)
-        bound = 2.0 / (1.0 + top / float(lam.min()))
+        bound = 2.0 / (1.0 + top / float(lam.detach().min()))
         return config.model_copy(update={"damping": min(config.damping, bound)})
 
     def peak(

@@ -35,6 +35,7 @@ RECIPES = {
     "segment-kglm-net": ["--task", "segment", "--sigma", "0,255", "--flip", "0.35"],
     "deblur-kglm-net": ["--task", "deblur", "--sigma", "1,12", "--psfs", "gaussian:1", "motion:5"],
     "super-resolve-kglm-net": ["--task", "super-resolve", "--scales", "2", "4"],
+    "denoise-poisson-kglm-net": ["--task", "denoise-poisson", "--peaks", "1,30", "--val-levels", "4"],
 }
 #: the recipe whose resumed run is compared with an uninterrupted run on two machines (each launch
 #: costs seconds of start-up, so one comparison covers both)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -13,6 +13,7 @@ from kdeq.photon import PhotonDenoiser
 from kdeq.predictor import Prediction
 from kdeq.tasks import register_task
 from kdeq.tasks.base import InputError, Options, Request, ResultField, Task, Variant
+from kdeq.train.data import Corruption, log_uniform
 
 
 class DenoisePoissonOptions(Options):
@@ -76,3 +77,34 @@ class DenoisePoisson(Task):
         rng = np.random.default_rng(0)
         rate = 10.0 * rng.random((1, size, size))
         return Request(rng.poisson(rate).astype(np.float32), self.options())
+
+    def corrupt(
+        self,
+        clean: torch.Tensor,
+        gen: torch.Generator,
+        settings: Corruption,
+        level: float | None = None,
+        shared: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """``counts ~ Poisson(peak·clean)`` per pixel, with ``peak`` (white's mean count, also the
+        example's ``peak``) drawn log-uniformly from ``settings.peaks`` or the validation ``level``;
+        the target is ``clean``, which the model's ``r̂/peak`` estimates."""
+        peak = log_uniform(gen, *(settings.peaks if level is None else (level, level)))
+        counts = torch.poisson(peak * clean, generator=gen)
+        return {"target": clean, "counts": counts, "peak": torch.tensor(peak)}
+
+    def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(counts, peak)``: the counts ``(B, c, H, W)`` and their peaks ``(B,)``, given."""
+        return batch["counts"], batch["peak"]
+
+    def shown_input(self, example: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The counts ÷ peak ``(c, H, W)``: white at the example's peak, as the output is shown."""
+        return example["counts"] / example["peak"]
+
+    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
+        """Peaks 1, 4 and 30: a photon, a few, and a dim photograph."""
+        return (1.0, 4.0, 30.0)
+
+    def check_level(self, level: float, settings: Corruption) -> None:
+        if not 0 < level <= 65535:
+            raise ValueError(f"val level {level:g}: a denoise-poisson level is a peak count in (0, 65535]")

@@ -30,6 +30,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", required=True, choices=list(TASKS))
     p.add_argument("--spec", help="a default model's name or a ModelSpec JSON file (default: <task>-kglm)")
     p.add_argument("--init", choices=("kglm", "random"), default="kglm")
+    p.add_argument(
+        "--warm-start",
+        metavar="DIR",
+        help="a checkpoint whose tensors of the spec's names (a guide network) replace the start's",
+    )
     p.add_argument("--train", nargs="+", required=True, metavar="DIR", help="training image folders")
     p.add_argument("--val", nargs="+", required=True, metavar="DIR", help="validation image folders")
     p.add_argument("--out", required=True, help="models/NAME/VERSION")
@@ -49,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-kinds", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS))
     p.add_argument("--missing", type=_pair, default=(0.2, 0.9), metavar="LO,HI")
     p.add_argument("--flip", type=float, default=0.1, help="largest label-flip fraction (segment)")
+    p.add_argument(
+        "--peaks",
+        type=_pair,
+        default=(1.0, 30.0),
+        metavar="LO,HI",
+        help="photon counts of white, drawn log-uniformly (denoise-poisson)",
+    )
     p.add_argument(
         "--psfs", nargs="+", default=list(DEBLUR_PSFS), metavar="PSF", help="blurs drawn per step (deblur)"
     )

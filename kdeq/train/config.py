@@ -26,6 +26,9 @@ class TrainConfig(BaseModel):
         spec: a shipped default's name (``denoise-kglm``, …) or a ``ModelSpec`` JSON file: the
             architecture, kernel, ``λ`` rule and solver the model starts from.
         init: ``kglm`` (closed form from the spec's kernel) or ``random`` (same architecture).
+        warm_start: a checkpoint folder whose tensors replace the start's where the spec has one of
+            the same name (and must then have its shape): e.g. a Gaussian denoiser's guide network
+            as the photon-count model's start. At least one must be shared.
         train, val: image folders (PNG/JPEG/TIFF).
         out: ``models/<name>/<version>``: the best checkpoint by validation, with ``report/`` and
             ``train-state/`` (for ``resume``) inside.
@@ -41,7 +44,8 @@ class TrainConfig(BaseModel):
         psfs: named PSFs (``gaussian:SIGMA``, ``disk:RADIUS``, ``motion:LENGTH[,ANGLE]``) the blurs are
             drawn from, one per step (deblur; a PSF not even in each axis makes every solve CG).
         scales: factors drawn from, one per step (super-resolve; each in 2, 3, 4).
-            These seven are the run's ``corruption()``, which each task reads what it needs from.
+        peaks: the photon counts of white, a range drawn log-uniformly (denoise-poisson).
+            These eight are the run's ``corruption()``, which each task reads what it needs from.
         train_tol, train_max_iter: forward-solver settings while training (``None``: the model's).
         eval_tol, eval_max_iter: solver settings for validation (``None``: the model's).
         backward: ``implicit`` or ``jacobian_free`` gradients.
@@ -70,6 +74,7 @@ class TrainConfig(BaseModel):
     task: str
     spec: str
     init: Literal["kglm", "random"] = "kglm"
+    warm_start: Path | None = None
     train: tuple[Path, ...] = Field(min_length=1)
     val: tuple[Path, ...] = Field(min_length=1)
     out: Path
@@ -89,6 +94,7 @@ class TrainConfig(BaseModel):
     flip: float = Field(0.1, ge=0, le=0.5)
     psfs: tuple[str, ...] = Field(DEBLUR_PSFS, min_length=1)
     scales: tuple[int, ...] = Field((2, 3, 4), min_length=1)
+    peaks: tuple[float, float] = (1.0, 30.0)
     train_tol: float | None = Field(None, gt=0)
     train_max_iter: int | None = Field(None, ge=1)
     eval_tol: float | None = Field(None, gt=0)
@@ -127,6 +133,8 @@ class TrainConfig(BaseModel):
         for name, (lo, hi), top in (("sigma", self.sigma, 255.0), ("missing", self.missing, 1.0)):
             if not 0 <= lo <= hi <= top:
                 raise ValueError(f"{name} must be a range lo ≤ hi within [0, {top:g}], got ({lo}, {hi})")
+        if not 0 < self.peaks[0] <= self.peaks[1] <= 65535:
+            raise ValueError(f"peaks must be a range 0 < lo ≤ hi ≤ 65535, got {self.peaks}")
         if not self.mask_kinds:
             raise ValueError("mask_kinds needs at least one kind")
         for name in self.psfs:
@@ -179,6 +187,7 @@ class TrainConfig(BaseModel):
             (0.0, self.flip),
             self.psfs,
             self.scales,
+            self.peaks,
         )
 
     def levels(self) -> tuple[float, ...]:

@@ -101,6 +101,12 @@ def uniform(gen: torch.Generator, lo: float, hi: float) -> float:
     return lo + (hi - lo) * torch.rand((), generator=gen).item()
 
 
+def log_uniform(gen: torch.Generator, lo: float, hi: float) -> float:
+    """A number whose logarithm is drawn uniformly from ``[log lo, log hi]`` (``0 < lo ≤ hi``; one
+    draw from ``gen``): as many draws per factor of two at a few photons as at hundreds."""
+    return lo * (hi / lo) ** torch.rand((), generator=gen).item()
+
+
 def random_patch(image: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor:
     """A ``size × size`` crop of ``image`` ``(c, H, W)`` at a random place, randomly flipped and rotated
     by a multiple of 90° (the eight symmetries of the square); images smaller than ``size`` are mirrored."""
@@ -187,6 +193,7 @@ class Corruption:
         flip: range of the fraction of flipped labels (segment).
         psfs: named blur PSFs (``kdeq.psf.parse_psf``) to draw from, one per step (deblur).
         scales: factors to draw from, one per step (super-resolve).
+        peaks: range of the photon counts of white, drawn log-uniformly (denoise-poisson).
     """
 
     sigma: tuple[float, float] = (0.0, 55.0)
@@ -196,6 +203,7 @@ class Corruption:
     flip: tuple[float, float] = (0.0, 0.1)
     psfs: tuple[str, ...] = DEBLUR_PSFS
     scales: tuple[int, ...] = (2, 3, 4)
+    peaks: tuple[float, float] = (1.0, 30.0)
 
 
 class PatchDataset(Dataset):

@@ -322,7 +322,8 @@ def _train(
 ) -> dict:
     spec = cfg.model_spec()
     fp = _fingerprint(cfg, rank.world)
-    model = TrainableModel(spec, start_tensors(spec, cfg.init, cfg.seed), device, cfg.backward)
+    start = start_tensors(spec, cfg.init, cfg.seed, cfg.warm_start)
+    model = TrainableModel(spec, start, device, cfg.backward)
     # log-scale factors and one-element gains (a guide network's skip a and mean mixing β) move by
     # O(1) over a run, where the banks' absolute step would crawl
     scalars = [p for n, p in model.named_parameters() if not n.startswith("raw.") or p.numel() == 1]
@@ -368,9 +369,7 @@ def _train(
         metrics, start_outputs = evaluate(model, val_set, cfg, device)
         hist.epochs.append({"epoch": 0, **metrics})
     elif rank.main:
-        _, start_outputs = evaluate(
-            TrainableModel(spec, start_tensors(spec, cfg.init, cfg.seed), device), val_set, cfg, device
-        )
+        _, start_outputs = evaluate(TrainableModel(spec, start, device), val_set, cfg, device)
 
     last = min(cfg.epochs, cfg.stop_after or cfg.epochs)
     bar = progress(total=(last - hist.epoch) * steps_per_epoch) if progress and rank.main else None
@@ -566,13 +565,16 @@ def _write_checkpoint(cfg: TrainConfig, model: TrainableModel, hist: History, fi
         {f"start_{k}": float(v) for k, v in start.items() if k.startswith("val_") and "@" not in k}
     )
     data = tuple(f"{d} ({sum(1 for f in files if f.parent == d)} images)" for d in cfg.train)
+    warm = "" if cfg.warm_start is None else f", warm-started from {cfg.warm_start}"
     provenance = Provenance(
         init=cfg.init,
         data=data,
         epochs=int(best["epoch"]),
         metrics=metrics,
-        notes=f"kdeq train from {cfg.spec} ({cfg.init} init), best of {cfg.epochs} epochs by validation "
-        f"on {', '.join(map(str, cfg.val))}; seed {cfg.seed}",
+        notes=f"kdeq train from {cfg.spec} ({cfg.init} init{warm}), best of {cfg.epochs} epochs by "
+        f"validation on {', '.join(map(str, cfg.val))}; seed {cfg.seed}",
     )
-    what = f"{spec.description} Fine-tuned by kdeq train ({cfg.init} start, epoch {int(best['epoch'])})."
+    what = (
+        f"{spec.description} Fine-tuned by kdeq train ({cfg.init} start{warm}, epoch {int(best['epoch'])})."
+    )
     save_checkpoint(cfg.out, spec.model_copy(update={"description": what}), tensors, provenance)

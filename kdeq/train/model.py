@@ -47,6 +47,7 @@ from kdeq.checkpoint import (
     ModelConfig,
     ModelSpec,
     NoiseLambda,
+    load_checkpoint,
     task_family,
 )
 from kdeq.implicit import Backward
@@ -303,10 +304,31 @@ class TrainableModel(nn.Module):
         return ModelSpec.model_validate(data), tensors
 
 
-def start_tensors(spec: ModelSpec, init: str, seed: int) -> dict[str, torch.Tensor]:
-    """The starting tensors: the closed-form kGLM initialisation or ``random_tensors``."""
+def start_tensors(
+    spec: ModelSpec, init: str, seed: int, warm_start: Path | None = None
+) -> dict[str, torch.Tensor]:
+    """The starting tensors: the closed-form kGLM initialisation or ``random_tensors``, with those
+    the checkpoint ``warm_start`` has under the same names in their place (``warm_started``)."""
     if init == "kglm":
-        return init_tensors(spec)
-    if init == "random":
-        return random_tensors(spec, seed)
-    raise ValueError(f"unknown init {init!r}; use kglm or random")
+        tensors = init_tensors(spec)
+    elif init == "random":
+        tensors = random_tensors(spec, seed)
+    else:
+        raise ValueError(f"unknown init {init!r}; use kglm or random")
+    return tensors if warm_start is None else warm_started(tensors, load_checkpoint(warm_start))
+
+
+def warm_started(tensors: dict[str, torch.Tensor], checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """``tensors`` with each one ``checkpoint`` also has replaced by the checkpoint's; ``ValueError``
+    where a shared name differs in shape or no name is shared (a warm start that starts nothing)."""
+    shared = sorted(set(tensors) & set(checkpoint.tensors))
+    where = checkpoint.path
+    if not shared:
+        raise ValueError(f"warm start {where}: shares no tensor with the spec ({sorted(tensors)})")
+    for name in shared:
+        if checkpoint.tensors[name].shape != tensors[name].shape:
+            raise ValueError(
+                f"warm start {where}: {name} is {tuple(checkpoint.tensors[name].shape)}, the spec's "
+                f"{tuple(tensors[name].shape)}"
+            )
+    return tensors | {name: checkpoint.tensors[name].to(torch.float32).clone() for name in shared}
