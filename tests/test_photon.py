@@ -130,14 +130,14 @@ def test_the_tuned_pilot_is_its_network_as_a_gaussian_guide_on_the_anscombe_imag
     at ``σ_u = 1/span``, mapped back by Mäkitalo and Foi's inverse ``I(p·span + a(0))`` and divided
     by the peak: the output's scale, which the trainer's pilot loss compares with the clean image."""
     assert model.config.architecture.net is not None
+    gaussian = load_checkpoint(find_model(MODELS, "denoise-kglm", 2))
+    as_denoiser = Denoiser(Checkpoint(gaussian.config, model.tensors, Path("<tuned>")))
     x = clean(32)
     for peak in (1.0, 8.0):
         y = counts(x, peak)
         bright = float(y.reshape(-1).kthvalue(math.ceil(0.999 * y.numel())).values.clamp(min=1.0))
         span = 2 * math.sqrt(bright + 0.375) - 2 * math.sqrt(0.375)
         u = (2 * torch.sqrt(y + 0.375) - 2 * math.sqrt(0.375)) / span
-        gaussian = load_checkpoint(find_model(MODELS, "denoise-kglm", 2))
-        as_denoiser = Denoiser(Checkpoint(gaussian.config, model.tensors, Path("<tuned>")))
         with torch.inference_mode():
             p = as_denoiser.pilot_only(u, sigma=255.0 / span)
         want = inverse_anscombe(p * span + 2 * math.sqrt(0.375)) / peak

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from kdeq.checkpoint import FORMAT_VERSION, Checkpoint, ModelConfig, ModelSpec, load_checkpoint
+from kdeq.checkpoint import ModelSpec, load_checkpoint, save_checkpoint
 from kdeq.cli import main as kdeq_main
 from kdeq.denoise import Denoiser
 from kdeq.initialize import (
@@ -472,12 +472,8 @@ def test_a_warm_started_photon_model_trains_its_pilot_then_the_whole_model(folde
     metrics = json.loads((out / "report" / "metrics.json").read_text())
     assert [e["epoch"] for e in metrics["epochs"]] == [0, 1, 2]
     spec = cfg.model_spec()
-    config = ModelConfig(
-        **spec.model_dump(), format_version=FORMAT_VERSION, family="poisson", weights_sha256="0" * 64
-    )
-    start = TASKS["denoise-poisson"].predictor(
-        Checkpoint(config, start_tensors(spec, "kglm", 0, warm), Path("<start>")), "cpu"
-    )
+    save_checkpoint(tmp_path / "start" / "2", spec, start_tensors(spec, "kglm", 0, warm))
+    start = load_predictor(tmp_path / "start" / "2")
     val = validation_set(
         load_images(image_files(cfg.val), 1), TASKS["denoise-poisson"], cfg.corruption(), (4.0,), cfg.seed
     )
