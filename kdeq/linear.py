@@ -114,7 +114,9 @@ def transform_solve(
 ) -> tuple[torch.Tensor, SolverStats, torch.Tensor | None] | None:
     """``(z*, stats, f(z*) if with_map)`` with ``z* = T⁻¹[(s2 ĥ2 T t + T m)/(1 − s1 ĥ1)]`` for ``t``
     ``(B, c, H, W)``, or ``None`` when the maps are not diagonal in one transform. ``iterations`` is 0;
-    the residual is ``‖f(z) − z‖`` evaluated in the transform domain (the same number, by Parseval)."""
+    the residual is ``‖f(z) − z‖`` evaluated in the transform domain (the same number, by Parseval) for
+    the float64 ``z``, before its rounding to ``t``'s dtype: that rounding's own residual, up to
+    ``eps·‖K/λ‖``, belongs to the dtype, not to the solve."""
     # in float64: with ‖K/λ‖ ~ 10⁴ (low noise, deblurring) a float32 z already has a relative residual
     # ~ eps·‖K/λ‖ ~ 10⁻³; solved in float64 and rounded once, z is the float32 image of the exact solution
     dtype = t.dtype

@@ -40,9 +40,9 @@ def model() -> PhotonDenoiser:
     return load_predictor(find_model(MODELS, "denoise-poisson-kglm"))
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["closed-form", "fine-tuned"])
+@pytest.fixture(scope="module", params=[1, 2, 3], ids=["closed-form", "fine-tuned", "fine-tuned-longer"])
 def each(request: pytest.FixtureRequest) -> PhotonDenoiser:
-    """Each shipped version: the closed form and the fine-tuned one with a guide network."""
+    """Each shipped version: the closed form and the two fine-tuned ones with a guide network."""
     return load_predictor(find_model(MODELS, "denoise-poisson-kglm", request.param))
 
 

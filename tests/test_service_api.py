@@ -67,7 +67,7 @@ def test_health_ready_and_models(client: TestClient) -> None:
         "segment-kglm:2",
         "deblur-kglm:3",
         "super-resolve-kglm:2",
-        "denoise-poisson-kglm:2",
+        "denoise-poisson-kglm:3",
         "denoise-impulse-kglm:2",
     }
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())

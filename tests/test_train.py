@@ -483,6 +483,40 @@ def test_a_warm_started_photon_model_trains_its_pilot_then_the_whole_model(folde
     assert f"warm-started from {warm}" in notes
 
 
+def test_a_checkpoint_folder_as_spec_and_warm_start_continues_its_training(folders, tmp_path: Path) -> None:
+    """``--spec DIR --warm-start DIR``: the run's start is the checkpoint itself, under the run's name
+    and version: its learned ``λ`` (not the grown spec's), and an epoch-0 validation equal to the
+    shipped checkpoint's own predictions as the service loads it."""
+    folder = ROOT / "models" / "denoise-poisson-kglm" / "2"
+    out = tmp_path / "more" / "3"
+    cfg = small_config(
+        folders,
+        out,
+        task="denoise-poisson",
+        spec=str(folder),
+        warm_start=folder,
+        epochs=1,
+        samples_per_epoch=4,
+        val_levels=(4.0,),
+        patch_size=16,
+    )
+    spec, shipped = cfg.model_spec(), load_checkpoint(folder).config
+    assert (spec.name, spec.version) == ("more", 3)
+    assert spec.lam == shipped.lam != GROWN["denoise-poisson-kglm-net"].lam
+    assert (spec.architecture, spec.solver) == (shipped.architecture, shipped.solver)
+    train(cfg)
+    metrics = json.loads((out / "report" / "metrics.json").read_text())
+    model = load_predictor(folder)
+    val = validation_set(
+        load_images(image_files(cfg.val), 1), TASKS["denoise-poisson"], cfg.corruption(), (4.0,), cfg.seed
+    )
+    scores = [psnr(model.predict(v["counts"][None], peak=4.0).output, v["target"][None]).item() for v in val]
+    assert sum(scores) / len(scores) == pytest.approx(metrics["epochs"][0]["val_psnr"], abs=1e-3)
+    assert f"warm-started from {folder}" in load_checkpoint(out).config.provenance.notes
+    with pytest.raises(ValueError, match="a checkpoint folder nor a file"):
+        small_config(folders, tmp_path / "x" / "1", spec=str(tmp_path / "missing"))
+
+
 def test_guided_training_folds_its_scales_into_the_checkpoint(folders, tmp_path: Path) -> None:
     out = tmp_path / "g" / "1"
     cfg = small_config(

@@ -28,7 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The trainer's options (see ``TrainConfig`` for what each means)."""
     # every registered task: one without training hooks is refused by TrainConfig, with the reason
     p.add_argument("--task", required=True, choices=list(TASKS))
-    p.add_argument("--spec", help="a default model's name or a ModelSpec JSON file (default: <task>-kglm)")
+    p.add_argument(
+        "--spec",
+        help="a default model's name, a ModelSpec JSON file or a checkpoint folder (default: <task>-kglm)",
+    )
     p.add_argument("--init", choices=("kglm", "random"), default="kglm")
     p.add_argument(
         "--warm-start",

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kdeq.checkpoint import ModelSpec
+from kdeq.checkpoint import ModelSpec, read_config
 from kdeq.implicit import Backward
 from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS
 from kdeq.psf import SR_SCALES, parse_psf
@@ -23,8 +23,9 @@ class TrainConfig(BaseModel):
     Attributes:
         task: a registered task (``kdeq.tasks.TASKS``) that defines its training hooks
             (``kdeq.tasks.base.TRAINING_HOOKS``); must match the spec's.
-        spec: a shipped default's name (``denoise-kglm``, …) or a ``ModelSpec`` JSON file: the
-            architecture, kernel, ``λ`` rule and solver the model starts from.
+        spec: a shipped default's name (``denoise-kglm``, …), a ``ModelSpec`` JSON file or a
+            checkpoint folder (its spec, learned ``λ`` included): the architecture, kernel, ``λ``
+            rule and solver the model starts from.
         init: ``kglm`` (closed form from the spec's kernel) or ``random`` (same architecture).
         warm_start: a checkpoint folder whose tensors replace the start's where the spec has one of
             the same name (and must then have its shape): e.g. a Gaussian denoiser's guide network
@@ -166,11 +167,19 @@ class TrainConfig(BaseModel):
             base = defaults[self.spec]
         else:
             path = Path(self.spec)
-            if not path.is_file():
-                raise ValueError(
-                    f"spec {self.spec!r} is neither a default model {sorted(defaults)} nor a file"
+            if path.is_dir():
+                # A checkpoint's spec, its learned λ included: with --warm-start on the same folder
+                # a run continues training that checkpoint.
+                base = ModelSpec.model_validate(
+                    read_config(path).model_dump(include=set(ModelSpec.model_fields))
                 )
-            base = ModelSpec.model_validate(json.loads(path.read_text()))
+            elif path.is_file():
+                base = ModelSpec.model_validate(json.loads(path.read_text()))
+            else:
+                raise ValueError(
+                    f"spec {self.spec!r} is neither a default model {sorted(defaults)}, "
+                    "a checkpoint folder nor a file"
+                )
         if not self.out.name.isdigit() or not self.out.name.isascii():
             raise ValueError(f"out must be a <models>/<name>/<version> folder, got {self.out}")
         data = base.model_dump()
