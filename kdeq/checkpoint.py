@@ -229,6 +229,10 @@ class ModelConfig(ModelSpec):
             raise ValueError(f"task {self.task} uses the {task_family(self.task)} family, not {self.family}")
         return self
 
+    def spec(self) -> ModelSpec:
+        """The ``ModelSpec`` part alone: without the format, family, provenance and weights' hash."""
+        return ModelSpec.model_validate(self.model_dump(include=set(ModelSpec.model_fields)))
+
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the problem."""

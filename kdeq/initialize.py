@@ -89,9 +89,8 @@ def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[
         kind = spec.architecture.kind
         raise ValueError(f"{spec.name}:{spec.version} is a {kind} spec, not a plug-and-play one")
     own = prior.config
-    prior_spec = ModelSpec.model_validate(own.model_dump(include=set(ModelSpec.model_fields)))
     data = spec.model_dump()
-    data["architecture"]["prior"] = prior_spec.model_dump()
+    data["architecture"]["prior"] = own.spec().model_dump()
     spec = ModelSpec.model_validate(data)
     provenance = _built_from(
         own, f"plug-and-play around {own.name}:{own.version} (kdeq init --prior); the prior:"

@@ -15,12 +15,15 @@ from kdeq.tasks import register_task
 from kdeq.tasks.base import InputError, Options, Request, ResultField, Task, Variant
 from kdeq.train.data import Corruption, log_uniform
 
+#: the largest peak: a 16-bit detector's full scale
+MAX_PEAK = 65535
+
 
 class DenoisePoissonOptions(Options):
     peak: float | None = Field(
         None,
         gt=0,
-        le=65535,
+        le=MAX_PEAK,
         allow_inf_nan=False,
         description="the counts shown as full scale (white) in the output (default: the estimate's "
         "99.5th percentile, at least 1)",
@@ -106,5 +109,7 @@ class DenoisePoisson(Task):
         return (1.0, 4.0, 30.0)
 
     def check_level(self, level: float, settings: Corruption) -> None:
-        if not 0 < level <= 65535:
-            raise ValueError(f"val level {level:g}: a denoise-poisson level is a peak count in (0, 65535]")
+        if not 0 < level <= MAX_PEAK:
+            raise ValueError(
+                f"val level {level:g}: a denoise-poisson level is a peak count in (0, {MAX_PEAK}]"
+            )

@@ -24,7 +24,6 @@ from kdeq.checkpoint import (
     Checkpoint,
     CheckpointError,
     GuidedArchitecture,
-    ModelSpec,
     Provenance,
     load_checkpoint,
     save_checkpoint,
@@ -78,8 +77,7 @@ def calibrate(
     prov = chosen.provenance
     note = f"; bandwidth ×{best:g} chosen by kdeq calibrate on {', '.join(map(str, val))}"
     provenance = Provenance(**{**prov.model_dump(), "notes": prov.notes + note})
-    spec = ModelSpec.model_validate(chosen.model_dump(include=set(ModelSpec.model_fields)))
-    save_checkpoint(out, spec, checkpoint.tensors, provenance)
+    save_checkpoint(out, chosen.spec(), checkpoint.tensors, provenance)
     if (source / "report").is_dir():
         shutil.copytree(source / "report", out / "report")
     report = {

@@ -13,6 +13,7 @@ from kdeq.implicit import Backward
 from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS
 from kdeq.psf import SR_SCALES, parse_psf
 from kdeq.tasks import TASKS
+from kdeq.tasks.denoise_poisson import MAX_PEAK
 from kdeq.train.data import DEBLUR_PSFS, Corruption, MaskKind
 from kdeq.train.objectives import SquaredError
 
@@ -134,8 +135,8 @@ class TrainConfig(BaseModel):
         for name, (lo, hi), top in (("sigma", self.sigma, 255.0), ("missing", self.missing, 1.0)):
             if not 0 <= lo <= hi <= top:
                 raise ValueError(f"{name} must be a range lo ≤ hi within [0, {top:g}], got ({lo}, {hi})")
-        if not 0 < self.peaks[0] <= self.peaks[1] <= 65535:
-            raise ValueError(f"peaks must be a range 0 < lo ≤ hi ≤ 65535, got {self.peaks}")
+        if not 0 < self.peaks[0] <= self.peaks[1] <= MAX_PEAK:
+            raise ValueError(f"peaks must be a range 0 < lo ≤ hi ≤ {MAX_PEAK}, got {self.peaks}")
         if not self.mask_kinds:
             raise ValueError("mask_kinds needs at least one kind")
         for name in self.psfs:
@@ -170,9 +171,7 @@ class TrainConfig(BaseModel):
             if path.is_dir():
                 # A checkpoint's spec, its learned λ included: with --warm-start on the same folder
                 # a run continues training that checkpoint.
-                base = ModelSpec.model_validate(
-                    read_config(path).model_dump(include=set(ModelSpec.model_fields))
-                )
+                base = read_config(path).spec()
             elif path.is_file():
                 base = ModelSpec.model_validate(json.loads(path.read_text()))
             else:
