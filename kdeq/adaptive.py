@@ -350,6 +350,9 @@ class GuidedOperator:
 
     Attributes:
         degree: ``d = K1`` ``(B, 1, H, W)`` of the unnormalised kernel.
+        local_mean: ``D⁻¹K v`` ``(B, c, H, W)``, the kernel-weighted local mean of ``mean_of`` ``v``
+            (``None`` without it), made in the same pass over the weights as ``d``: one pass rather
+            than two, each channel's arithmetic that of a pass of its own.
         parts: how many parts the offsets are processed in (1: the weights are kept).
     """
 
@@ -362,6 +365,7 @@ class GuidedOperator:
         normalize: bool,
         budget: int = WEIGHT_BUDGET,
         sizes: Sizes | None = None,
+        mean_of: torch.Tensor | None = None,
     ) -> None:
         self._args = (guide, spatial, patch_radius, h2)
         self._sizes = sizes
@@ -370,8 +374,12 @@ class GuidedOperator:
         size = max(1, min(len(offsets), budget // per_offset))
         self._parts = [offsets[i : i + size] for i in range(0, len(offsets), size)]
         self._weights = guided_weights(*self._args, sizes=sizes) if len(self._parts) == 1 else None
-        self.degree = self.kernel(torch.ones_like(guide[:, :1]))
-        self._scale = self.degree.clamp(min=torch.finfo(guide.dtype).tiny).rsqrt() if normalize else None
+        ones = torch.ones_like(guide[:, :1])
+        both = self.kernel(ones if mean_of is None else torch.cat([ones, mean_of.to(ones.dtype)], dim=1))
+        self.degree = both[:, :1]
+        tiny = torch.finfo(guide.dtype).tiny
+        self.local_mean = None if mean_of is None else both[:, 1:] / self.degree.clamp(min=tiny)
+        self._scale = self.degree.clamp(min=tiny).rsqrt() if normalize else None
 
     @property
     def parts(self) -> int:

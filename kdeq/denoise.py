@@ -168,15 +168,28 @@ class Denoiser(Predictor):
         return pilot_image.detach(), pilot_image
 
     def guided_operator(
-        self, x: torch.Tensor, s: torch.Tensor, sizes: Sizes | None = None, level: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        s: torch.Tensor,
+        sizes: Sizes | None = None,
+        level: torch.Tensor | None = None,
+        mean_of: torch.Tensor | None = None,
     ) -> tuple[GuidedOperator, torch.Tensor | None]:
         """The adaptive kernel ``K`` of the guide of images ``x`` ``(B, c, H, W)`` at noise levels ``s``
-        ``(B,)`` in [0, 1] units, and the guide network's pilot ``p`` (``None`` without one)."""
+        ``(B,)`` in [0, 1] units, and the guide network's pilot ``p`` (``None`` without one); with
+        ``mean_of`` ``v``, the operator's ``local_mean`` is ``D⁻¹K v``."""
         kern = self.config.architecture.kernel
         guide, pilot_image = self.guide(x, s, sizes, level)
         h2 = self.guide_h2(x.shape[1], s)
         op = GuidedOperator(
-            guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget, sizes
+            guide,
+            self.tensors["spatial"],
+            kern.patch_radius,
+            h2,
+            kern.normalize,
+            self.weight_budget,
+            sizes,
+            mean_of,
         )
         return op, pilot_image
 
@@ -199,12 +212,10 @@ class Denoiser(Predictor):
     ) -> tuple[KGLMDEQ, torch.Tensor | None, torch.Tensor | None]:
         """The guided layer, its mean ``m`` and the guide network's pilot ``p`` (``None`` without one),
         each ``(B, c, H, W)``."""
-        op, pilot_image = self.guided_operator(x, s, sizes, level)
-        if self.config.mean == "local":
-            # the padding has no kernel mass (d = 0) and keeps the mean 0
-            mean = op.kernel(x) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
-        else:
-            mean = self._mean(x, valid, sizes, level)
+        local = self.config.mean == "local"
+        op, pilot_image = self.guided_operator(x, s, sizes, level, mean_of=x if local else None)
+        # a local mean keeps the padding's 0: it has no kernel mass (d = 0)
+        mean = op.local_mean if local else self._mean(x, valid, sizes, level)
         if pilot_image is not None:
             beta = self.tensors["net_mean_mix"]
             mean = beta * pilot_image + (0.0 if mean is None else (1 - beta) * mean)

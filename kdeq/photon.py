@@ -102,8 +102,8 @@ class PhotonDenoiser(Denoiser):
         guide network's ``I(p)/peak``, on the output's scale (``None`` without one)."""
         y = self.counts(counts)
         u, s_u, span = self.stabilised(y)
-        op, pilot_u = self.guided_operator(u, s_u)
-        rate = op.kernel(y) / op.degree.clamp(min=torch.finfo(y.dtype).tiny)
+        op, pilot_u = self.guided_operator(u, s_u, mean_of=y)
+        rate = op.local_mean
         pilot = None
         if pilot_u is not None:
             pilot = self.pilot_rate(pilot_u, span)

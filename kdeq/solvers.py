@@ -373,7 +373,11 @@ def linear_cg(
     The CG residual is updated by recursion; in finite precision it drifts from
     the true ``r0 − A d``, so when the recursion says a sample has converged its
     true residual is computed, and a sample that has not truly converged
-    restarts from its best iterate (while its iteration budget lasts). A sample
+    restarts from its best iterate (while its iteration budget lasts). Where the
+    best iterate is a cycle's first step ``d + αp`` (a denoiser's usual one-step
+    solve) there is nothing to drift: its residual ``r − α·Ap`` is formed from the
+    product ``Ap`` itself, as accurate as applying ``A`` once more, so that
+    application is saved (without ``residual``). A sample
     whose curvature ``pᵀAp`` is not positive stops (its best iterate stands).
     Inner products accumulate in float64.
     """
@@ -390,6 +394,7 @@ def linear_cg(
         y = r if identity else precondition(r)
         p = y
         ry = _bdot(r, y)
+        first = None
         while step < config.max_iter:
             step += 1
             ap = apply_a(p)
@@ -399,6 +404,7 @@ def linear_cg(
             a = torch.where(ok, ry / pap.clamp(min=_TINY64), 0.0).to(z0.dtype)
             d = d + _expand(a, d) * p
             r = r - _expand(a, r) * ap
+            first = (d, r) if first is None else first
             if track.update(step, d, relative(d, r)):
                 break
             y = r if identity else precondition(r)
@@ -407,7 +413,12 @@ def linear_cg(
             p = y + _expand(beta, p) * p
             ry = torch.where(ok, ry_new, ry)
         d = track.best
-        r = r0 - apply_a(d) if residual is None else residual(d)
+        if residual is not None:
+            r = residual(d)
+        elif first is not None and torch.equal(d, first[0]):
+            r = first[1]
+        else:
+            r = r0 - apply_a(d)
         true_res = relative(d, r).nan_to_num(nan=torch.inf)
         track.best_res = true_res
         retry = (true_res > config.tol) & torch.isfinite(true_res) & (track.iterations < config.max_iter)

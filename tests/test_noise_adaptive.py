@@ -69,6 +69,30 @@ def test_guided_operator_equals_dense_gram_from_explicit_features(
 
 
 @pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("budget", [1 << 30, 1], ids=["kept", "recomputed"])
+def test_the_local_mean_made_with_the_degree_is_the_dense_grams_and_a_separate_passs(
+    budget: int, channels: int, path: str
+) -> None:
+    """``local_mean`` ``D⁻¹K v`` from the pass that makes ``d = K1``: the dense Gram's row-normalised
+    product, and bit for bit ``K v / d`` from a pass of its own."""
+    spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
+    guide = torch.rand(2, channels, 9, 11, dtype=F64)
+    h2 = torch.tensor([0.3, 1.5], dtype=F64)
+    v = torch.randn(2, channels, 9, 11, dtype=F64)
+    op = GuidedOperator(guide, spatial, 1, h2, True, budget, mean_of=v)
+    alone = GuidedOperator(guide, spatial, 1, h2, True, budget)
+    assert alone.local_mean is None
+    assert torch.equal(op.degree, alone.degree)
+    assert torch.equal(op.local_mean, alone.kernel(v) / alone.degree)
+    for b in range(2):
+        gram = guided_gram(guide[b], spatial, 1, h2[b].item(), normalize=False)
+        expected = (gram @ v[b].reshape(channels, -1).T / gram.sum(dim=1, keepdim=True)).T
+        torch.testing.assert_close(
+            op.local_mean[b], expected.reshape(channels, 9, 11), rtol=1e-12, atol=1e-12
+        )
+
+
+@pytest.mark.parametrize("channels", [1, 3])
 def test_guided_weights_with_autograd_equal_the_in_place_path_and_carry_gradients(
     channels: int, path: str
 ) -> None:

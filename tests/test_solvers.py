@@ -278,6 +278,35 @@ def test_cg_on_a_simulated_asynchronous_device_stops_one_step_after_convergence(
     assert async_applied == sync_applied + 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_cg_converged_at_its_first_step_reports_that_steps_residual_without_applying_a_again(
+    dtype: torch.dtype,
+) -> None:
+    """A denoiser's usual solve: ``A = I + K/λ`` near the identity, one CG step to ``tol``. The
+    residual of ``d = αr0`` is the step's ``r0 − α·Ar0``, so ``A`` is applied once in all; that
+    residual agrees with ``r0 − A d`` computed here in float64 to the dtype's rounding."""
+    a = _kernel_matrix(12, 1e-5)
+    b = torch.rand(2, 144, dtype=F64, generator=torch.Generator().manual_seed(0))
+    z0 = torch.zeros(2, 144, dtype=dtype)
+    r0 = b.to(dtype)
+    applied = 0
+
+    def apply_a(p: torch.Tensor) -> torch.Tensor:
+        nonlocal applied
+        applied += 1
+        return p + p @ a.to(dtype)
+
+    z, stats, r = solvers.linear_cg(apply_a, r0, z0, SolverConfig(method="cg", tol=1e-4))
+    assert stats.converged.all() and stats.iterations.tolist() == [1, 1]
+    assert applied == 1
+    true = b - (z.double() + z.double() @ a)
+    eps = torch.finfo(dtype).eps
+    assert (r.double() - true).norm(dim=1).max() <= 4 * eps * b.norm(dim=1).max()
+    assert torch.allclose(
+        stats.residual.double(), true.norm(dim=1) / (z.double() + true).norm(dim=1), rtol=1e-3
+    )
+
+
 def test_cg_reaches_its_tolerance_in_float32_far_past_float32s_floor_for_the_iterate() -> None:
     """At ``‖K/λ‖ = 10⁵`` rounding ``z*`` itself to float32 leaves a residual of ~``2⁻²⁴·10⁵``, above
     ``tol = 10⁻⁴`` (3·10⁻⁴); CG on the correction ``d = z − z0`` from a close start reaches ``tol``."""

@@ -121,10 +121,9 @@ class Deblurrer(Predictor):
         guide, learned = self._guide(f0, s)
         # the guide's own noise (the deconvolution amplifies the observations'), per image
         h2 = kern.h2(x.shape[1], estimate_sigma(guide)) * self.bandwidth_scale**2
-        op = GuidedOperator(
-            guide, self.tensors["spatial"], kern.patch_radius, h2, kern.normalize, self.weight_budget
-        )
-        mean = op.kernel(f0) / op.degree.clamp(min=torch.finfo(x.dtype).tiny)
+        spatial, budget = self.tensors["spatial"], self.weight_budget
+        op = GuidedOperator(guide, spatial, kern.patch_radius, h2, kern.normalize, budget, mean_of=f0)
+        mean = op.local_mean
         if learned is not None:
             beta = self.tensors["net_mean_mix"]
             mean = beta * learned + (1 - beta) * mean
