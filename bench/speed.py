@@ -7,8 +7,9 @@ Sections (all by default; each prints a Markdown table):
 
 - ``models``: seconds per image and PSNR at 256² and 512², grey (Set12 01–07 are 256², 08–12
   512²) and colour (top-left crops of Kodak24), σ = 25 noise seeded per image, σ given to every
-  method; kdeq's default denoiser also with σ estimated. Baselines from ``bench/baselines.py``
-  (scikit-image and OpenCV non-local means, PyPI ``bm3d``), run in this process on the same inputs.
+  method; kdeq's default denoiser also with σ estimated, and each ``--compare`` model. Baselines from
+  ``bench/baselines.py`` (scikit-image and OpenCV non-local means, PyPI ``bm3d``), run in this
+  process on the same inputs.
 - ``linear``: the linear Gaussian model's solve (``kdeq.linear``) ÷ one forward + inverse
   transform of the same size, for the DCT path (symmetric border), preconditioned CG (zero
   border) and the generic CG on the fixed-point map that both replace.
@@ -23,7 +24,8 @@ Sections (all by default; each prints a Markdown table):
   generated image with σ = 25 noise (segment: its binarised shapes).
 - ``cli``: ``kdeq denoise`` on ``--cli-images`` generated 256² noisy images (σ = 25, given) in one
   call, its wall time ÷ (the count × the default denoiser's in-process solve of the same images,
-  measured in this process first), beside one process per image for the first four.
+  measured in this process first), beside one process per image for the first four and a process
+  that only imports torch; kdeq's bytecode compiled first, as an installed package has it.
 
 - ``tiling``: the default denoiser on Kodak24 photo mosaics from 1.6 to 25 megapixels: tiled
   (``kdeq.tiling``) against untiled in process (time, PSNR, largest difference) where both fit, then
@@ -106,9 +108,14 @@ def section_models(args: argparse.Namespace) -> None:
 
         return run
 
+    others = []
+    for ref in args.compare:
+        name, _, version = ref.partition(":")
+        others.append(load_predictor(find_model(models, name, int(version) if version else None), "cpu"))
     methods: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = [
         (f"kdeq {default.name} (σ given)", kdeq_method(default, True)),
         (f"kdeq {default.name} (σ estimated)", kdeq_method(default, False)),
+        *[(f"kdeq {other.name} (σ given)", kdeq_method(other, True)) for other in others],
         (f"kdeq {stationary.name} (σ given)", kdeq_method(stationary, True)),
         ("scikit-image non-local means", lambda n: B.nlm_skimage(n, SIGMA)),
         ("OpenCV non-local means", lambda n: B.nlm_opencv(n, SIGMA)),
@@ -284,12 +291,19 @@ def section_cli(args: argparse.Namespace) -> None:
         for image in images:
             model.predict(image, sigma=SIGMA)
         solve = (time.perf_counter() - start) / count
+        # kdeq's bytecode as an installed package has it (pip compiles it at install; the image too):
+        # without it, where PYTHONDONTWRITEBYTECODE is set, every process compiles kdeq's sources
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "kdeq")], check=True)
         command = [sys.executable, "-m", "kdeq", "denoise", "--sigma", str(SIGMA)]
         start = time.perf_counter()
         subprocess.run(
             [*command, *map(str, paths), "-o", str(Path(tmp) / "out")], check=True, capture_output=True
         )
         batch = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(4):
+            subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        floor = (time.perf_counter() - start) / 4
         start = time.perf_counter()
         for k, path in enumerate(paths[:4]):
             subprocess.run(
@@ -304,6 +318,10 @@ def section_cli(args: argparse.Namespace) -> None:
         f"| `kdeq denoise` on all {count} in one call | {batch / count:.3f} | {batch / (count * solve):.2f} |"
     )
     print(f"| `kdeq denoise` once per image (first 4) | {single:.3f} | {single / solve:.2f} |")
+    print(
+        f"\nA process that only imports torch takes {floor:.2f} s here: {floor / (count * solve):.2f} of "
+        f"the {count}-image ratio."
+    )
 
 
 def section_backends(args: argparse.Namespace) -> None:
@@ -475,6 +493,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--cli-images", type=int, default=64, help="images in the cli section")
     parser.add_argument("--no-bm3d", action="store_true")
+    parser.add_argument(
+        "--compare", nargs="*", default=[], metavar="NAME[:VERSION]", help="more models in the models section"
+    )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     args = parser.parse_args()
     print(

@@ -17,6 +17,7 @@ shared by every input; given as a folder, each input takes the file of its own s
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -168,11 +169,12 @@ def run(
     other images.
 
     ``size`` fixes the batches (``batches``). ``None`` measures, per group, whether batching pays: its
-    first image is solved alone (a warm-up), its second alone and timed, then up to ``MEASURED_BATCH``
-    more as one batch and timed; the rest goes in batches of that size if the batch took less time
-    per image, else one by one. Every measured solve is one of the run's own, so measuring costs
-    nothing but the choice. (On this project's CPU the default guided denoiser runs ~1.5× slower per
-    image in a batch of 8, its weight maps outgrowing the caches, and a stationary one ~7× faster.)"""
+    first image is solved alone (a warm-up), its second alone and timed, then batches of 2, 4, … up
+    to ``MEASURED_BATCH``, each timed, for as long as each is faster per image than the best before
+    it; the rest goes in batches of the fastest size. Every measured solve is one of the run's own, so
+    measuring costs only what the slower trials lose, and where batching does not pay it stops at a
+    batch of two. (On this project's CPU the default guided denoiser runs ~1.5× slower per image in
+    a batch of 8, its weight maps outgrowing the caches, and a stationary one ~7× faster.)"""
     whole = [job for job in jobs if not tiling.tiled(task, predictor, job.request, tile or 0)]
     cut = [job for job in jobs if tiling.tiled(task, predictor, job.request, tile or 0)]
 
@@ -187,18 +189,17 @@ def run(
         yield from (solve(batch) for batch in batches(task, whole, size))
     else:
         for group in groups(task, whole):
-            head, trial = group[:2], group[2 : 2 + MEASURED_BATCH]
-            alone = 0.0
-            for job in head:
-                done = solve([job])
-                alone = done[2]
-                yield done
-            if not trial:
-                continue
-            done = solve(trial)
-            yield done
-            chosen = MEASURED_BATCH if done[2] / len(trial) < alone else 1
-            rest = group[2 + len(trial) :]
+            yield solve(group[:1])  # a warm-up (lazy set-up, cold caches): not a measurement
+            done, trial, best, chosen = 1, 1, math.inf, 1
+            while trial <= MEASURED_BATCH and done < len(group):
+                batch = group[done : done + trial]
+                result = solve(batch)
+                yield result
+                done += len(batch)
+                if result[2] / len(batch) >= best:
+                    break
+                best, chosen, trial = result[2] / len(batch), len(batch), 2 * trial
+            rest = group[done:]
             yield from (solve(rest[i : i + chosen]) for i in range(0, len(rest), chosen))
     for job in cut:
         start = time.perf_counter()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import math
 import os
@@ -51,25 +52,14 @@ from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
 from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError, Result
 from kdeq.families import Gaussian
 from kdeq.imageio import write_png
-from kdeq.initialize import (
-    DEFAULT_SPECS,
-    PLUG_AND_PLAY_SPECS,
-    RETASKED,
-    compose_checkpoint,
-    init_checkpoint,
-    retask_checkpoint,
-)
 from kdeq.kernels import Kernel
 from kdeq.kglm import conv_deq
 from kdeq.predictor import SolverOverride
 from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
-from kdeq.samples import write_samples
 from kdeq.solvers import SolverConfig
 from kdeq.tasks import TASKS, Solved, Task, choice_of
 from kdeq.tiling import TILE_SIZE
-from kdeq.train import calibrate, exp_kerdeq, exp_mondeq, init_compare
-from kdeq.train import cli as train_cli
 from kdeq.uncertainty import POSTERIORS, unsupported
 
 
@@ -414,6 +404,15 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
+    from kdeq.initialize import (
+        DEFAULT_SPECS,
+        PLUG_AND_PLAY_SPECS,
+        RETASKED,
+        compose_checkpoint,
+        init_checkpoint,
+        retask_checkpoint,
+    )
+
     root = Path(args.models_dir)
     if args.defaults:
         specs = list(DEFAULT_SPECS)
@@ -439,6 +438,34 @@ def _init(args: argparse.Namespace) -> int:
         elapsed = time.perf_counter() - start
         print(f"wrote {directory} (sha256 {config.weights_sha256[:12]}…) in {elapsed * 1e3:.1f} ms")
     return 0
+
+
+#: commands whose modules (the trainer's, the experiments') load only when the command runs or its
+#: help is asked for, so that ``kdeq denoise`` imports none of them: the command's words, then its
+#: module, the module's handler and the command's summary; every module has ``add_arguments(parser)``
+LOADED_WHEN_RUN = {
+    ("train",): ("kdeq.train.cli", "run", "fine-tune a checkpoint from the kGLM start on images"),
+    ("calibrate",): (
+        "kdeq.train.calibrate",
+        "run",
+        "choose a trained guided denoiser's bandwidth on validation",
+    ),
+    ("experiment", "init-compare"): (
+        "kdeq.train.init_compare",
+        "main",
+        "kGLM vs random initialisation (paper §4, Table 1)",
+    ),
+    ("experiment", "kerdeq"): (
+        "kdeq.train.exp_kerdeq",
+        "main",
+        "KerDEQ against OptEq on scikit-learn's digits (the seeds' claims)",
+    ),
+    ("experiment", "mondeq"): (
+        "kdeq.train.exp_mondeq",
+        "main",
+        "the monotone DEQ on scikit-learn's digits: NTK loss decay and stability",
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,27 +548,17 @@ def main(argv: list[str] | None = None) -> int:
         "other tasks that use its kernel and network as they are) around this denoiser checkpoint",
     )
     p_init.add_argument("--models-dir", default=models_dir)
-    p_train = sub.add_parser("train", help="fine-tune a checkpoint from the kGLM start on images")
-    train_cli.add_arguments(p_train)
-    p_train.set_defaults(handler=train_cli.run)
-    p_cal = sub.add_parser("calibrate", help="choose a trained guided denoiser's bandwidth on validation")
-    calibrate.add_arguments(p_cal)
-    p_cal.set_defaults(handler=calibrate.run)
-    p_exp = sub.add_parser("experiment", help="reproduce the paper's experiments")
-    exp_sub = p_exp.add_subparsers(dest="experiment", required=True)
-    p_ic = exp_sub.add_parser("init-compare", help="kGLM vs random initialisation (paper §4, Table 1)")
-    init_compare.add_arguments(p_ic)
-    p_ic.set_defaults(handler=init_compare.main)
-    p_kd = exp_sub.add_parser(
-        "kerdeq", help="KerDEQ against OptEq on scikit-learn's digits (the seeds' claims)"
-    )
-    exp_kerdeq.add_arguments(p_kd)
-    p_kd.set_defaults(handler=exp_kerdeq.main)
-    p_md = exp_sub.add_parser(
-        "mondeq", help="the monotone DEQ on scikit-learn's digits: NTK loss decay and stability"
-    )
-    exp_mondeq.add_arguments(p_md)
-    p_md.set_defaults(handler=exp_mondeq.main)
+    argv = sys.argv[1:] if argv is None else argv
+    parents = {(): sub}
+    for path, (module, handler, summary) in LOADED_WHEN_RUN.items():
+        if path[:-1] not in parents:  # the experiments' group
+            group = sub.add_parser(path[0], help="reproduce the paper's experiments")
+            parents[path[:-1]] = group.add_subparsers(dest=path[0], required=True)
+        p = parents[path[:-1]].add_parser(path[-1], help=summary)
+        if tuple(argv[: len(path)]) == path:
+            found = importlib.import_module(module)
+            found.add_arguments(p)
+            p.set_defaults(handler=getattr(found, handler))
 
     for plugin in entry_points(group="kdeq.commands"):
         try:
@@ -558,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         demo(args.size, args.sigma, args.seed)
         return 0
     if args.command == "samples":
+        from kdeq.samples import write_samples
+
         for path in write_samples(args.directory, args.seed):
             print(f"wrote {path}")
         return 0

@@ -220,19 +220,27 @@ def test_batches_group_by_shape_and_batch_key_in_order_and_cut_to_size() -> None
 
 
 @pytest.mark.parametrize(
-    ("per_image_in_batch", "expected"), [(0.5, [1, 1, 8, 8, 4]), (2.0, [1, 1, 8] + [1] * 12)]
+    ("per_image", "expected"),
+    [
+        ({1: 1.0, 2: 0.8, 4: 0.6, 8: 0.5}, [1, 1, 2, 4, 8, 6]),  # each doubling pays: up to 8
+        ({1: 1.0, 2: 0.8, 4: 0.9, 8: 0.5}, [1, 1, 2, 4] + [2] * 7),  # 4 loses to 2: 8 is never tried
+        ({1: 1.0, 2: 1.2, 4: 0.5, 8: 0.5}, [1, 1, 2] + [1] * 18),  # batching does not pay: stop at 2
+    ],
 )
-def test_measured_batching_keeps_a_batch_only_where_it_is_faster(
-    monkeypatch, per_image_in_batch: float, expected: list[int]
+def test_measured_batching_doubles_the_batch_while_it_is_faster(
+    monkeypatch, per_image: dict[int, float], expected: list[int]
 ) -> None:
-    """``run`` without a size: image 1 alone (warm-up), image 2 alone (timed: 1 s on a fake clock),
-    8 together (timed), then the rest in batches of 8 if they took less per image, else alone."""
+    """``run`` without a size, on a fake clock: image 1 alone (a warm-up), image 2 alone (timed), then
+    batches of 2, 4 and 8 while each is faster per image than the best before, then the rest in
+    batches of the fastest size."""
     clock = [0.0]
     sizes: list[int] = []
 
     def solve(task, predictor, requests):
         sizes.append(len(requests))
-        clock[0] += 1.0 if len(requests) == 1 else per_image_in_batch * len(requests)
+        # a batch of 6 costs what one of 8 does per image
+        cost = per_image[1 << (len(requests) - 1).bit_length()]
+        clock[0] += cost * len(requests) if len(sizes) > 1 else 100.0
         return [f"solved {r}" for r in requests]
 
     monkeypatch.setattr(batchrun, "solve_batch", solve)
