@@ -12,7 +12,9 @@
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
   ``kdeq init --prior DIR [SPEC.json]``: compose plug-and-play models (``kdeq.pnp``) around the
   denoiser checkpoint ``DIR`` (without SPEC files, the shipped ones);
-- ``kdeq train …``: fine-tune a checkpoint on images (``kdeq.train``);
+- ``kdeq train …``: fine-tune a checkpoint on images (``kdeq.train``); ``kdeq prune SRC --channels N``:
+  cut a denoiser's guide network to its ``N`` most salient features, the start of a leaner model
+  (``kdeq.train.prune``);
 - ``kdeq experiment init-compare …``: the paper's kGLM-vs-random initialisation experiment;
   ``kdeq experiment kerdeq …`` and ``kdeq experiment mondeq …``: the seeds' KerDEQ and monotone-DEQ
   claims on scikit-learn's digits (``kdeq.train.exp_kerdeq``, ``kdeq.train.exp_mondeq``);
@@ -445,6 +447,11 @@ def _init(args: argparse.Namespace) -> int:
 #: module, the module's handler and the command's summary; every module has ``add_arguments(parser)``
 LOADED_WHEN_RUN = {
     ("train",): ("kdeq.train.cli", "run", "fine-tune a checkpoint from the kGLM start on images"),
+    ("prune",): (
+        "kdeq.train.prune",
+        "run",
+        "cut a denoiser's guide network to fewer features, the start of a leaner model",
+    ),
     ("calibrate",): (
         "kdeq.train.calibrate",
         "run",

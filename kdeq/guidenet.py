@@ -197,6 +197,14 @@ def _per_opponent_channel(
     return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))
 
 
+def network_input(u: torch.Tensor, sigma: torch.Tensor, level: torch.Tensor | None = None) -> torch.Tensor:
+    """The denoiser's ``N_θ`` input ``(N, 5, ⌈H/2⌉, ⌈W/2⌉)`` for one-channel images ``u``
+    ``(N, 1, H, W)`` at noise levels ``σ`` ``(N,)`` or ``(N, 1, 1, 1)`` in [0, 1] units: ``u`` less
+    its mean (``level`` ``(N, 1, 1, 1)`` when given), unshuffled, and a constant ``σ`` map."""
+    h = _unshuffle(u - (u.mean(dim=(2, 3), keepdim=True) if level is None else level))
+    return torch.cat([h, sigma.to(h.dtype).reshape(-1, 1, 1, 1).expand(-1, 1, *h.shape[-2:])], dim=1)
+
+
 def pilot(
     y: torch.Tensor,
     base: torch.Tensor,
@@ -214,8 +222,7 @@ def pilot(
         level = (level.to(y.dtype) @ opponent(y.shape[1], y.dtype).to(y.device).T).reshape(-1, 1, 1, 1)
 
     def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
-        h = _unshuffle(u - (u.mean(dim=(2, 3), keepdim=True) if level is None else level))
-        h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
+        h = network_input(u, s, level)
         return ub + tensors["net_skip"] * (u - ub) + _network(h, tensors, net, tuple(u.shape[-2:]))
 
     return _per_opponent_channel(one, y, base)

@@ -76,6 +76,7 @@ def test_shell_examples_run(tmp_path) -> None:
                     ".venv-bench/",
                     "python3 -m venv .venv-bench",
                     ".venv/bin/kdeq train ",
+                    ".venv/bin/kdeq prune ",
                     ".venv/bin/kdeq calibrate ",
                     ".venv/bin/kdeq experiment ",
                     ".venv/bin/python bench/",

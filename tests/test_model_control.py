@@ -41,7 +41,8 @@ def png(size: int = 40, seed: int = 1) -> bytes:
 def repository(tmp_path: Path) -> Path:
     """A repository with versions 1 and 2 of the default denoiser (and a broken version 3 when made)."""
     root = tmp_path / "models"
-    shutil.copytree(MODELS / NAME, root / NAME)
+    for version in ("1", "2"):
+        shutil.copytree(MODELS / NAME / version, root / NAME / version)
     return root
 
 

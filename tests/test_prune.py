@@ -1,0 +1,106 @@
+"""``kdeq prune``: a denoiser's guide network cut to its most salient features (``kdeq.train.prune``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdeq.checkpoint import load_checkpoint
+from kdeq.cli import main as kdeq_main
+from kdeq.guidenet import pilot
+from kdeq.imageio import write_png
+from kdeq.repository import default_models_dir, load_predictor
+from kdeq.train.prune import prune, pruned
+
+SOURCE = default_models_dir() / "denoise-kglm" / "2"
+
+
+def _images(count: int = 3, size: int = 72) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.rand(1, size, size, generator=gen) for _ in range(count)]
+
+
+def test_keeping_every_feature_keeps_the_network() -> None:
+    checkpoint = load_checkpoint(SOURCE)
+    spec, tensors = prune(checkpoint, checkpoint.config.architecture.net.channels, _images())
+    assert spec.architecture == checkpoint.config.architecture
+    assert tensors.keys() == checkpoint.tensors.keys()
+    assert all(torch.equal(tensors[k], checkpoint.tensors[k]) for k in tensors)
+
+
+def test_a_pruned_network_is_the_original_with_the_other_features_silenced() -> None:
+    """The pilot of the cut network equals, to float rounding, the original's with each dropped
+    feature's filter and bias zeroed (its ReLU output then 0), computed here on the full tensors."""
+    checkpoint = load_checkpoint(SOURCE)
+    net = checkpoint.config.architecture.net
+    gen = torch.Generator().manual_seed(1)
+    keep = [torch.randperm(net.channels, generator=gen)[:40].sort().values for _ in range(net.depth - 1)]
+    cut = pruned(checkpoint.tensors, net, keep)
+    silenced = dict(checkpoint.tensors)
+    for i, kept in enumerate(keep):
+        dropped = torch.ones(net.channels, dtype=torch.bool)
+        dropped[kept] = False
+        silenced[f"net_{i}_weight"] = silenced[f"net_{i}_weight"].clone()
+        silenced[f"net_{i}_bias"] = silenced[f"net_{i}_bias"].clone()
+        silenced[f"net_{i}_weight"][dropped] = 0.0
+        silenced[f"net_{i}_bias"][dropped] = 0.0
+    y = torch.rand(2, 1, 40, 36, generator=gen)
+    base = y.clone()
+    sigma = torch.tensor([0.05, 0.2])
+    lean = net.model_copy(update={"channels": 40})
+    expected = pilot(y, base, sigma, silenced, net)
+    torch.testing.assert_close(pilot(y, base, sigma, cut, lean), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_feature_the_next_layer_never_reads_is_the_first_to_go() -> None:
+    checkpoint = load_checkpoint(SOURCE)
+    tensors = dict(checkpoint.tensors)
+    unread = 5
+    tensors["net_1_weight"] = tensors["net_1_weight"].clone()
+    tensors["net_1_weight"][:, unread] = 0.0
+    checkpoint = dataclasses.replace(checkpoint, tensors=tensors)
+    _, cut = prune(checkpoint, 63, _images())
+    rows = tensors["net_0_weight"].flatten(1)
+    kept = cut["net_0_weight"].flatten(1)
+    assert not (kept == rows[unread]).all(dim=1).any()
+    assert all((kept == rows[j]).all(dim=1).any() for j in range(64) if j != unread)
+
+
+def test_kdeq_prune_writes_a_checkpoint_that_serves_and_refuses_what_it_cannot_cut(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    for k, image in enumerate(_images()):
+        write_png(images / f"{k}.png", image)
+    out = tmp_path / "pruned"
+    assert (
+        kdeq_main(["prune", str(SOURCE), "--channels", "24", "--train", str(images), "--out", str(out)]) == 0
+    )
+    model = load_predictor(out)
+    assert model.config.architecture.net.channels == 24
+    assert "pruned from" in model.config.provenance.notes
+    noisy = torch.rand(1, 1, 48, 40, generator=torch.Generator().manual_seed(2))
+    assert model.predict(noisy, sigma=25).stats.converged.all()
+    plain = default_models_dir() / "denoise-kglm" / "1"
+    for source, channels, why in (
+        (plain, "24", "not a denoiser with a guide network"),
+        (SOURCE, "65", "within 1"),
+    ):
+        capsys.readouterr()
+        args = [
+            "prune",
+            str(source),
+            "--channels",
+            channels,
+            "--train",
+            str(images),
+            "--out",
+            str(tmp_path / "x"),
+        ]
+        assert kdeq_main(args) == 2
+        assert why in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
