@@ -1,6 +1,9 @@
 """The offline CLI on real image files: every task on one or several files, models, init."""
 
+import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +12,7 @@ import torch
 from PIL import Image
 
 from kdeq import batchrun
-from kdeq.cli import main
+from kdeq.cli import LOADED_WHEN_RUN, main
 from kdeq.cli import test_image as piecewise_image
 from kdeq.imageio import read_image, write_png
 from kdeq.initialize import DEFAULT_SPECS
@@ -255,3 +258,27 @@ def test_measured_batching_doubles_the_batch_while_it_is_faster(
     assert sizes == expected
     assert [job.source.name for batch, _, _ in done for job in batch] == [f"{k}.png" for k in range(22)]
     assert all(len(batch) == len(solved) for batch, solved, _ in done)
+
+
+def test_a_task_command_loads_none_of_the_trainers_modules_and_they_load_when_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``kdeq denoise`` in a fresh interpreter imports neither the trainer's nor the experiments'
+    modules (``kdeq.cli.LOADED_WHEN_RUN``), nor ``kdeq.initialize`` and ``kdeq.samples``; each of those
+    commands still parses its own options."""
+    source = tmp_path / "in.png"
+    write_png(source, piecewise_image(32)[0])
+    script = (
+        "import sys; from kdeq.cli import main; "
+        f"code = main(['denoise', {str(source)!r}, '-o', {str(tmp_path / 'out.png')!r}, '--sigma', '20']); "
+        "print(sorted(m for m in sys.modules if m.startswith('kdeq')))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    loaded = set(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
+    assert "kdeq.tasks" in loaded and (tmp_path / "out.png").exists()
+    lazy = {module for module, _, _ in LOADED_WHEN_RUN.values()} | {"kdeq.initialize", "kdeq.samples"}
+    assert not lazy & loaded, lazy & loaded
+    for path in LOADED_WHEN_RUN:
+        with pytest.raises(SystemExit) as helped:
+            main([*path, "--help"])
+        assert helped.value.code == 0 and "--" in capsys.readouterr().out
