@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
 
 from kdeq.photon import ANSCOMBE_ZERO, GUIDE_QUANTILE, anscombe, inverse_anscombe
-from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
+from kdeq.repository import default_models_dir, find_reference, list_models, load_predictor
 from kdeq.tasks import TASKS, Request, solve_batch
 
 
@@ -81,8 +81,7 @@ def kdeq_gaussian(ref: str) -> Callable[[np.ndarray, float], np.ndarray]:
 
 
 def _path(ref: str) -> Path:
-    name, _, version = ref.partition(":")
-    return find_model(default_models_dir(), name, int(version) if version else None)
+    return find_reference(default_models_dir(), ref)
 
 
 def main() -> None:

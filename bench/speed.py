@@ -63,7 +63,7 @@ from kdeq.implicit import equilibrium  # noqa: E402
 from kdeq.kglm import conv_deq  # noqa: E402
 from kdeq.linear import solve_affine  # noqa: E402
 from kdeq.priors import GaussianPrior  # noqa: E402
-from kdeq.repository import default_models_dir, find_model, load_predictor  # noqa: E402
+from kdeq.repository import default_models_dir, find_model, find_reference, load_predictor  # noqa: E402
 from kdeq.transforms import dct2, idct2  # noqa: E402
 
 SIGMA = 25.0
@@ -108,10 +108,7 @@ def section_models(args: argparse.Namespace) -> None:
 
         return run
 
-    others = []
-    for ref in args.compare:
-        name, _, version = ref.partition(":")
-        others.append(load_predictor(find_model(models, name, int(version) if version else None), "cpu"))
+    others = [load_predictor(find_reference(models, ref), "cpu") for ref in args.compare]
     methods: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = [
         (f"kdeq {default.name} (σ given)", kdeq_method(default, True)),
         (f"kdeq {default.name} (σ estimated)", kdeq_method(default, False)),

@@ -196,9 +196,10 @@ def run(
                 result = solve(batch)
                 yield result
                 done += len(batch)
-                if result[2] / len(batch) >= best:
+                per_image = result[2] / len(batch)
+                if per_image >= best:
                     break
-                best, chosen, trial = result[2] / len(batch), len(batch), 2 * trial
+                best, chosen, trial = per_image, len(batch), 2 * trial
             rest = group[done:]
             yield from (solve(rest[i : i + chosen]) for i in range(0, len(rest), chosen))
     for job in cut:

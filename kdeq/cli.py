@@ -58,7 +58,7 @@ from kdeq.kernels import Kernel
 from kdeq.kglm import conv_deq
 from kdeq.predictor import SolverOverride
 from kdeq.priors import GaussianPrior
-from kdeq.repository import default_models_dir, find_model, list_models, load_predictor
+from kdeq.repository import default_models_dir, find_reference, list_models, load_predictor
 from kdeq.solvers import SolverConfig
 from kdeq.tasks import TASKS, Solved, Task, choice_of
 from kdeq.tiling import TILE_SIZE
@@ -212,8 +212,7 @@ def _solve_line(source: Path | None, model: str, result: Solved | Result, timing
 def _run_model(args: argparse.Namespace) -> int:
     task = chosen_task(TASKS[args.command], args)
     root = Path(args.models_dir)
-    name, _, ver = (args.model or f"{task.name}-kglm").partition(":")
-    predictor = load_predictor(find_model(root, name, int(ver) if ver else None), args.device)
+    predictor = load_predictor(find_reference(root, args.model or f"{task.name}-kglm"), args.device)
     if predictor.task != task.name:
         raise ValueError(f"model {predictor.name} is a {predictor.task} model")
     given = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}

@@ -66,6 +66,13 @@ def find_model(root: Path, name: str, version: int | None = None) -> Path:
     return root / name / str(version)
 
 
+def find_reference(root: Path, ref: str) -> Path:
+    """The folder of ``ref``, ``NAME`` (the highest version) or ``NAME:VERSION`` (``find_model``;
+    ``ValueError`` when ``VERSION`` is not an integer)."""
+    name, _, version = ref.partition(":")
+    return find_model(root, name, int(version) if version else None)
+
+
 def load_predictor(path: str | Path, device: str | torch.device = "cpu") -> Predictor:
     """Load the checkpoint at ``path`` onto ``device`` as its task's predictor."""
     checkpoint = load_checkpoint(path)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kdeq.checkpoint import CheckpointError, ModelConfig, read_config
 from kdeq.predictor import Predictor
-from kdeq.repository import NAME, VERSION, find_model, list_models, load_predictor
+from kdeq.repository import NAME, VERSION, find_model, find_reference, list_models, load_predictor
 from kdeq.tasks import TASKS, solve_batch
 from kdeq.uncertainty import unsupported
 from service.devices import classify, on_device
@@ -87,14 +87,12 @@ class ModelRegistry:
             self._plan(spec)
 
     def _plan(self, spec: str) -> None:
-        name, _, ver = spec.partition(":")
         try:
-            version = int(ver) if ver else None
-            path = find_model(self.root, name, version)
+            path = find_reference(self.root, spec)
         except (LookupError, ValueError) as err:
             slot = ModelSlot(spec, None, None, error=str(err))
         else:
-            slot_id = f"{name}:{path.name}"
+            slot_id = f"{path.parent.name}:{path.name}"
             try:
                 slot = ModelSlot(slot_id, path, read_config(path))
             except CheckpointError as err:
