@@ -13,7 +13,8 @@
   ``kdeq init --prior DIR [SPEC.json]``: compose plug-and-play models (``kdeq.pnp``) around the
   denoiser checkpoint ``DIR`` (without SPEC files, the shipped ones);
 - ``kdeq train …``: fine-tune a checkpoint on images (``kdeq.train``); ``kdeq prune SRC --channels N``:
-  cut a denoiser's guide network to its ``N`` most salient features, the start of a leaner model
+  cut a denoiser's guide network to its ``N`` most salient features, the start of a leaner model, and
+  ``--colour-channels N`` its colour network, grown from the grey one where it has none
   (``kdeq.train.prune``);
 - ``kdeq experiment init-compare …``: the paper's kGLM-vs-random initialisation experiment;
   ``kdeq experiment kerdeq …`` and ``kdeq experiment mondeq …``: the seeds' KerDEQ and monotone-DEQ
@@ -449,7 +450,8 @@ LOADED_WHEN_RUN = {
     ("prune",): (
         "kdeq.train.prune",
         "run",
-        "cut a denoiser's guide network to fewer features, the start of a leaner model",
+        "cut a denoiser's guide networks to fewer features (growing a colour network), the start of a "
+        "leaner model",
     ),
     ("calibrate",): (
         "kdeq.train.calibrate",

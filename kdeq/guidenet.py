@@ -16,7 +16,17 @@ the closed-form kGLM denoiser exactly, and training moves it from there.
 Each channel is denoised on its own, in the orthonormal opponent basis of the
 image's channels for colour (luminance and two colour differences, where noise
 stays i.i.d. with the same ``σ``), with its mean removed: one grey network
-serves grey and colour images alike.
+serves grey and colour images alike. A denoiser may also have a joint colour
+network ``N_θ^c`` (``GuideNet.colour_channels``): a colour image's three opponent
+channels then go through it together (twelve sub-images and the ``σ`` map in,
+twelve out), one pass where the grey network takes three, with a skip ``a_c`` of
+its own,
+
+    p = b + a_c·(y − b) + N_θ^c(y, σ)      (in the opponent basis),
+
+so that it can read the colour differences against the luminance's edges; grey
+images keep the grey network. At its kGLM start ``a_c = 0`` and its last layer is
+zero, so a colour image's pilot is ``b``.
 
 The inpainter's network (``condition = "mask"``) is the same CNN with the
 unshuffled observed mask ``M`` in place of the ``σ`` map. Its pilot of an image
@@ -61,7 +71,14 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 
 class GuideNet(BaseModel):
@@ -73,7 +90,9 @@ class GuideNet(BaseModel):
     Its tensors: ``net_<i>_weight`` ``(out, in, 3, 3)`` and ``net_<i>_bias`` ``(out,)`` for
     ``i < depth`` (``in = 5`` first for ``sigma`` and ``scale``, ``8`` otherwise; ``out = 4`` last); for
     ``sigma`` also ``net_skip`` ``(1,)`` (``a``) and ``net_mean_mix`` ``(1,)``: the denoiser's mean is
-    ``(1 − β)·D⁻¹K y + β·p`` (``kdeq.denoise``).
+    ``(1 − β)·D⁻¹K y + β·p`` (``kdeq.denoise``). ``colour_channels`` (``sigma`` only) adds the joint
+    colour network ``N_θ^c`` of that many features and the same depth (``shapes``); ``None``, the
+    default, has none and is left out of the written config.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -81,27 +100,51 @@ class GuideNet(BaseModel):
     depth: int = Field(10, ge=2, le=32)
     channels: int = Field(64, ge=4, le=256)
     condition: Literal["sigma", "mask", "image", "scale"] = "sigma"
+    colour_channels: int | None = Field(None, ge=4, le=256)
+
+    @model_validator(mode="after")
+    def _colour_is_sigma(self) -> GuideNet:
+        if self.colour_channels is not None and self.condition != "sigma":
+            raise ValueError(f"a joint colour network is the σ-conditioned guide's, not {self.condition!r}'s")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_colour(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # without a colour network the config is written as before, so rebuilt specs stay byte-identical
+        data = handler(self)
+        if self.colour_channels is None:
+            data.pop("colour_channels", None)
+        return data
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Tensor names and shapes, in layer order."""
-        out: dict[str, tuple[int, ...]] = {}
-        for i in range(self.depth):
-            cin = (5 if self.condition in ("sigma", "scale") else 8) if i == 0 else self.channels
-            cout = 4 if i == self.depth - 1 else self.channels
-            out[f"net_{i}_weight"] = (cout, cin, 3, 3)
-            out[f"net_{i}_bias"] = (cout,)
+        """Tensor names and shapes, in layer order: the grey network's, then the colour network's
+        (``net_colour_<i>_weight`` ``(out, in, 3, 3)`` with ``in = 13`` first and ``out = 12`` last,
+        ``net_colour_<i>_bias``, ``net_colour_skip`` ``(1,)``: ``a_c``) where there is one."""
+        cin = 5 if self.condition in ("sigma", "scale") else 8
+        out = _conv_shapes("net", self.depth, cin, self.channels, 4)
         if self.condition == "sigma":
             out["net_skip"] = (1,)
             out["net_mean_mix"] = (1,)
+        if self.colour_channels is not None:
+            out |= _conv_shapes("net_colour", self.depth, 13, self.colour_channels, 12)
+            out["net_colour_skip"] = (1,)
         return out
+
+    def last_layers(self) -> set[str]:
+        """The weights of each network's last layer, zero at the kGLM start."""
+        last = {f"net_{self.depth - 1}_weight"}
+        if self.colour_channels is not None:
+            last.add(f"net_colour_{self.depth - 1}_weight")
+        return last
 
     def kglm_start(self, seed: int = 0) -> dict[str, torch.Tensor]:
         """Tensors at the kGLM start (``p = b``): He-normal hidden layers (seeded, so a rebuild is
-        identical), zero biases, a zero last layer and ``a = β = 0``."""
+        identical), zero biases, zero last layers and ``a = β = a_c = 0``."""
         gen = torch.Generator().manual_seed(seed)
         out = {}
+        last = self.last_layers()
         for name, shape in self.shapes().items():
-            if name.endswith("_weight") and not name.startswith(f"net_{self.depth - 1}_"):
+            if name.endswith("_weight") and name not in last:
                 fan_in = shape[1] * shape[2] * shape[3]
                 w = torch.randn(shape, generator=gen, dtype=torch.float64) * math.sqrt(2.0 / fan_in)
                 out[name] = w.to(torch.float32)
@@ -119,11 +162,22 @@ class GuideNet(BaseModel):
                 out[name] = (
                     torch.randn(shape, generator=gen, dtype=torch.float64) * math.sqrt(2.0 / fan_in)
                 ).float()
-            elif name in ("net_skip", "net_mean_mix"):
+            elif name in ("net_skip", "net_mean_mix", "net_colour_skip"):
                 out[name] = torch.rand(shape, generator=gen, dtype=torch.float64).float()
             else:
                 out[name] = torch.zeros(shape)
         return out
+
+
+def _conv_shapes(prefix: str, depth: int, cin: int, features: int, cout: int) -> dict[str, tuple[int, ...]]:
+    """``depth`` 3×3 layers ``<prefix>_<i>_weight``, ``<prefix>_<i>_bias`` from ``cin`` channels through
+    ``features`` to ``cout``."""
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(depth):
+        cout_i = cout if i == depth - 1 else features
+        out[f"{prefix}_{i}_weight"] = (cout_i, cin if i == 0 else features, 3, 3)
+        out[f"{prefix}_{i}_bias"] = (cout_i,)
+    return out
 
 
 def opponent(c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -152,31 +206,38 @@ CPU_CALL_BYTES = 16 << 20
 
 
 def _network(
-    h: torch.Tensor, tensors: dict[str, torch.Tensor], net: GuideNet, size: tuple[int, int]
+    h: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    net: GuideNet,
+    size: tuple[int, int],
+    colour: bool = False,
 ) -> torch.Tensor:
-    """``N_θ`` on its unshuffled input ``h`` ``(N, 5 or 8, H', W')``, shuffled back and cropped to
-    ``size``: ``(N, 1, H, W)``; on a CPU in calls of as many samples as ``CPU_CALL_BYTES`` allows
-    (at least one: the samples are independent)."""
-    per_sample = net.channels * h.shape[-2] * h.shape[-1] * h.element_size()
+    """``N_θ`` (``N_θ^c`` with ``colour``) on its unshuffled input ``h`` ``(N, 5, 8 or 13, H', W')``,
+    shuffled back and cropped to ``size``: ``(N, 1 or 3, H, W)``; on a CPU in calls of as many
+    samples as ``CPU_CALL_BYTES`` allows (at least one: the samples are independent)."""
+    prefix, features = ("net_colour", net.colour_channels) if colour else ("net", net.channels)
+    assert features is not None, "a colour pass needs the colour network"
+    per_sample = features * h.shape[-2] * h.shape[-1] * h.element_size()
     step = max(1, CPU_CALL_BYTES // per_sample)
     if h.device.type == "cpu" and h.shape[0] > step:
-        return torch.cat([_layers(h[i : i + step], tensors, net, size) for i in range(0, h.shape[0], step)])
-    return _layers(h, tensors, net, size)
+        calls = range(0, h.shape[0], step)
+        return torch.cat([_layers(h[i : i + step], tensors, prefix, net.depth, size) for i in calls])
+    return _layers(h, tensors, prefix, net.depth, size)
 
 
 def _layers(
-    h: torch.Tensor, tensors: dict[str, torch.Tensor], net: GuideNet, size: tuple[int, int]
+    h: torch.Tensor, tensors: dict[str, torch.Tensor], prefix: str, depth: int, size: tuple[int, int]
 ) -> torch.Tensor:
-    """``_network``'s one call."""
+    """``_network``'s one call, through the layers ``<prefix>_<i>``."""
     # channels-last from the first layer to the last: oneDNN then runs the 3×3 convolutions on 64
     # features without reordering their input and output at every layer (the default denoiser's
     # solve 1.05–1.33× faster on this project's CPU; docs/BENCHMARKS.md)
     last = torch.channels_last
     h = h.contiguous(memory_format=last)
-    for i in range(net.depth):
-        weight = tensors[f"net_{i}_weight"].contiguous(memory_format=last)
-        h = F.conv2d(h, weight, tensors[f"net_{i}_bias"], padding=1)
-        if i < net.depth - 1:
+    for i in range(depth):
+        weight = tensors[f"{prefix}_{i}_weight"].contiguous(memory_format=last)
+        h = F.conv2d(h, weight, tensors[f"{prefix}_{i}_bias"], padding=1)
+        if i < depth - 1:
             h = F.relu_(h)
     return F.pixel_shuffle(h.contiguous(), 2)[..., : size[0], : size[1]]
 
@@ -216,7 +277,9 @@ def pilot(
     """The denoiser's ``p = b + a·(y − b) + N_θ(y, σ)`` ``(B, c, H, W)`` for ``y`` and ``b``
     ``(B, c, H, W)``, ``σ`` ``(B,)`` in [0, 1] units; see the module docstring. ``N_θ`` reads each
     channel less its mean, ``level`` ``(B, c)`` when given (a tile's whole image's, ``kdeq.tiling``),
-    else ``y``'s own."""
+    else ``y``'s own. Colour images go through the colour network where ``net`` has one."""
+    if net.colour_channels is not None and y.shape[1] == 3:
+        return _colour_pilot(y, base, sigma, tensors, net, level)
     s = sigma.to(y.dtype).repeat_interleave(y.shape[1]).reshape(-1, 1, 1, 1)
     if level is not None:  # in the opponent basis, one value per (sample, channel), sample-major
         level = (level.to(y.dtype) @ opponent(y.shape[1], y.dtype).to(y.device).T).reshape(-1, 1, 1, 1)
@@ -226,6 +289,36 @@ def pilot(
         return ub + tensors["net_skip"] * (u - ub) + _network(h, tensors, net, tuple(u.shape[-2:]))
 
     return _per_opponent_channel(one, y, base)
+
+
+def colour_network_input(
+    u: torch.Tensor, sigma: torch.Tensor, level: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The colour network's input ``(N, 13, ⌈H/2⌉, ⌈W/2⌉)`` for images ``u`` ``(N, 3, H, W)`` in the
+    opponent basis at noise levels ``σ`` ``(N,)`` in [0, 1] units: each channel less its mean
+    (``level`` ``(N, 3)`` when given), unshuffled together (channel-major), and a constant ``σ`` map."""
+    mean = u.mean(dim=(2, 3), keepdim=True) if level is None else level[..., None, None]
+    h = _unshuffle(u - mean)
+    return torch.cat([h, sigma.to(h.dtype).reshape(-1, 1, 1, 1).expand(-1, 1, *h.shape[-2:])], dim=1)
+
+
+def _colour_pilot(
+    y: torch.Tensor,
+    base: torch.Tensor,
+    sigma: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    net: GuideNet,
+    level: torch.Tensor | None,
+) -> torch.Tensor:
+    """``pilot`` for colour ``y`` and ``b`` ``(B, 3, H, W)`` through the joint colour network: in the
+    opponent basis ``Q``, ``p = b + a_c·(y − b) + N_θ^c`` of the three channels less their means
+    (``level`` ``(B, 3)`` when given), unshuffled together beside the ``σ`` map; mapped back by ``Qᵀ``."""
+    q = opponent(3, y.dtype).to(y.device)
+    u, ub = (torch.einsum("dc,bchw->bdhw", q, v) for v in (y, base))
+    h = colour_network_input(u, sigma, None if level is None else level.to(y.dtype) @ q.T)
+    correction = _network(h, tensors, net, tuple(u.shape[-2:]), colour=True)
+    p = ub + tensors["net_colour_skip"] * (u - ub) + correction
+    return torch.einsum("dc,bdhw->bchw", q, p)
 
 
 def upscale_pilot(

@@ -1,4 +1,5 @@
-"""``kdeq prune``: a denoiser's guide network cut to its most salient features (``kdeq.train.prune``)."""
+"""``kdeq prune``: a denoiser's guide networks cut to their most salient features, a colour network grown
+from the grey one first where there is none (``kdeq.train.prune``)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def test_a_pruned_network_is_the_original_with_the_other_features_silenced() -> 
     net = checkpoint.config.architecture.net
     gen = torch.Generator().manual_seed(1)
     keep = [torch.randperm(net.channels, generator=gen)[:40].sort().values for _ in range(net.depth - 1)]
-    cut = pruned(checkpoint.tensors, net, keep)
+    cut = pruned(checkpoint.tensors, "net", net.depth, keep)
     silenced = dict(checkpoint.tensors)
     for i, kept in enumerate(keep):
         dropped = torch.ones(net.channels, dtype=torch.bool)
@@ -102,5 +103,63 @@ def test_kdeq_prune_writes_a_checkpoint_that_serves_and_refuses_what_it_cannot_c
             str(tmp_path / "x"),
         ]
         assert kdeq_main(args) == 2
+        assert why in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def _colour_images(count: int = 3, size: int = 72) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.rand(3, size, size, generator=gen) for _ in range(count)]
+
+
+def test_a_grown_colour_network_kept_whole_is_the_grey_networks_per_channel_pilot() -> None:
+    checkpoint = load_checkpoint(default_models_dir() / "denoise-kglm" / "3")
+    net = checkpoint.config.architecture.net
+    spec, tensors = prune(
+        checkpoint, None, [], colour_channels=3 * net.channels, colour_images=_colour_images()
+    )
+    grown = spec.architecture.net
+    assert grown.colour_channels == 3 * net.channels and grown.channels == net.channels
+    assert all(torch.equal(tensors[k], v) for k, v in checkpoint.tensors.items())  # the rest is kept
+    gen = torch.Generator().manual_seed(4)
+    y = torch.rand(2, 3, 40, 36, generator=gen)
+    sigma = torch.tensor([0.05, 0.2])
+    want = pilot(y, y, sigma, checkpoint.tensors, net)  # one opponent channel at a time
+    torch.testing.assert_close(pilot(y, y, sigma, tensors, grown), want, rtol=1e-5, atol=1e-5)
+
+
+def test_kdeq_prune_grows_and_cuts_a_colour_network(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    images = tmp_path / "images"
+    images.mkdir()
+    for k, image in enumerate(_colour_images()):
+        write_png(images / f"{k}.png", image)
+    source = default_models_dir() / "denoise-kglm" / "3"
+    out = tmp_path / "colour"
+    args = ["prune", str(source), "--colour-channels", "20", "--train", str(images), "--out", str(out)]
+    assert kdeq_main(args) == 0
+    model = load_predictor(out)
+    assert (
+        model.config.architecture.net.colour_channels == 20 and model.config.architecture.net.channels == 48
+    )
+    noisy = torch.rand(1, 3, 48, 40, generator=torch.Generator().manual_seed(5))
+    assert model.predict(noisy, sigma=25).stats.converged.all()
+    # pruning it again cuts the colour network it has, without growing another
+    again = tmp_path / "again"
+    assert (
+        kdeq_main(["prune", str(out), "--colour-channels", "12", "--train", str(images), "--out", str(again)])
+        == 0
+    )
+    assert load_predictor(again).config.architecture.net.colour_channels == 12
+    for extra, why in (
+        ([], "nothing to prune"),
+        (["--colour-channels", "145"], "within 1 and the colour network's 144"),
+    ):
+        capsys.readouterr()
+        assert (
+            kdeq_main(["prune", str(source), *extra, "--train", str(images), "--out", str(tmp_path / "x")])
+            == 2
+        )
         assert why in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="a checkpoint whose tensors of the spec's names (a guide network) replace the start's",
     )
+    p.add_argument(
+        "--colour-net",
+        type=int,
+        metavar="N",
+        help="grow the spec's guide network a joint colour network of N features",
+    )
     p.add_argument("--train", nargs="+", required=True, metavar="DIR", help="training image folders")
     p.add_argument("--val", nargs="+", required=True, metavar="DIR", help="validation image folders")
     p.add_argument("--out", required=True, help="models/NAME/VERSION")

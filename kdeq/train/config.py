@@ -31,6 +31,9 @@ class TrainConfig(BaseModel):
         warm_start: a checkpoint folder whose tensors replace the start's where the spec has one of
             the same name (and must then have its shape): e.g. a Gaussian denoiser's guide network
             as the photon-count model's start. At least one must be shared.
+        colour_net: grow the spec's σ-conditioned guide network a joint colour network of this many
+            features (``kdeq.guidenet``), from ``init``'s start: with ``--warm-start`` on a trained
+            denoiser and ``channels = 3``, training moves only what colour images reach.
         train, val: image folders (PNG/JPEG/TIFF).
         out: ``models/<name>/<version>``: the best checkpoint by validation, with ``report/`` and
             ``train-state/`` (for ``resume``) inside.
@@ -77,6 +80,7 @@ class TrainConfig(BaseModel):
     spec: str
     init: Literal["kglm", "random"] = "kglm"
     warm_start: Path | None = None
+    colour_net: int | None = Field(None, ge=4, le=256)
     train: tuple[Path, ...] = Field(min_length=1)
     val: tuple[Path, ...] = Field(min_length=1)
     out: Path
@@ -183,6 +187,14 @@ class TrainConfig(BaseModel):
             raise ValueError(f"out must be a <models>/<name>/<version> folder, got {self.out}")
         data = base.model_dump()
         data.update(name=self.out.parent.name, version=int(self.out.name))
+        if self.colour_net is not None:
+            net = data["architecture"].get("net")
+            if net is None or net["condition"] != "sigma" or net.get("colour_channels") is not None:
+                raise ValueError(
+                    f"colour_net grows a σ-conditioned guide network without a colour network; spec "
+                    f"{self.spec!r} has {'none' if net is None else 'another'}"
+                )
+            net["colour_channels"] = self.colour_net
         return ModelSpec.model_validate(data)
 
     def corruption(self) -> Corruption:
