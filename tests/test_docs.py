@@ -82,7 +82,10 @@ def test_shell_examples_run(tmp_path) -> None:
                     ".venv/bin/python bench/",
                     "mkdir -p t400/",
                     "ls ../shared/data/Train400 ",
+                    "mkdir -p cbsd432/",
+                    "ls ../shared/data/CBSD432 ",
                     'C="--train t400/',
+                    'C="--train cbsd432/',
                     # a GPU machine's image, with the service's packages carried as wheels
                     "python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/",
                     "PYTHONPATH=/tmp/site PYTHON=python3 bench/gpu.sh",
