@@ -259,9 +259,10 @@ def _per_opponent_channel(
 
 
 def network_input(u: torch.Tensor, sigma: torch.Tensor, level: torch.Tensor | None = None) -> torch.Tensor:
-    """The denoiser's ``N_θ`` input ``(N, 5, ⌈H/2⌉, ⌈W/2⌉)`` for one-channel images ``u``
-    ``(N, 1, H, W)`` at noise levels ``σ`` ``(N,)`` or ``(N, 1, 1, 1)`` in [0, 1] units: ``u`` less
-    its mean (``level`` ``(N, 1, 1, 1)`` when given), unshuffled, and a constant ``σ`` map."""
+    """The denoiser's network input ``(N, 4k + 1, ⌈H/2⌉, ⌈W/2⌉)`` for images ``u`` ``(N, k, H, W)`` at
+    noise levels ``σ`` ``(N,)`` or ``(N, 1, 1, 1)`` in [0, 1] units: each channel of ``u`` less its mean
+    (``level`` ``(N, k, 1, 1)`` when given), unshuffled together (channel-major), and a constant ``σ``
+    map. ``N_θ`` reads one channel (``k = 1``), ``N_θ^c`` the three opponent channels (``k = 3``)."""
     h = _unshuffle(u - (u.mean(dim=(2, 3), keepdim=True) if level is None else level))
     return torch.cat([h, sigma.to(h.dtype).reshape(-1, 1, 1, 1).expand(-1, 1, *h.shape[-2:])], dim=1)
 
@@ -291,17 +292,6 @@ def pilot(
     return _per_opponent_channel(one, y, base)
 
 
-def colour_network_input(
-    u: torch.Tensor, sigma: torch.Tensor, level: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The colour network's input ``(N, 13, ⌈H/2⌉, ⌈W/2⌉)`` for images ``u`` ``(N, 3, H, W)`` in the
-    opponent basis at noise levels ``σ`` ``(N,)`` in [0, 1] units: each channel less its mean
-    (``level`` ``(N, 3)`` when given), unshuffled together (channel-major), and a constant ``σ`` map."""
-    mean = u.mean(dim=(2, 3), keepdim=True) if level is None else level[..., None, None]
-    h = _unshuffle(u - mean)
-    return torch.cat([h, sigma.to(h.dtype).reshape(-1, 1, 1, 1).expand(-1, 1, *h.shape[-2:])], dim=1)
-
-
 def _colour_pilot(
     y: torch.Tensor,
     base: torch.Tensor,
@@ -315,7 +305,7 @@ def _colour_pilot(
     (``level`` ``(B, 3)`` when given), unshuffled together beside the ``σ`` map; mapped back by ``Qᵀ``."""
     q = opponent(3, y.dtype).to(y.device)
     u, ub = (torch.einsum("dc,bchw->bdhw", q, v) for v in (y, base))
-    h = colour_network_input(u, sigma, None if level is None else level.to(y.dtype) @ q.T)
+    h = network_input(u, sigma, None if level is None else (level.to(y.dtype) @ q.T)[..., None, None])
     correction = _network(h, tensors, net, tuple(u.shape[-2:]), colour=True)
     p = ub + tensors["net_colour_skip"] * (u - ub) + correction
     return torch.einsum("dc,bdhw->bchw", q, p)

@@ -35,7 +35,7 @@ from kdeq.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from kdeq.guidenet import GuideNet, colour_network_input, network_input, opponent
+from kdeq.guidenet import GuideNet, network_input, opponent
 from kdeq.train.data import image_files, load_images, random_patch
 
 #: patches the saliency is measured on, their side and their noise range (0–255)
@@ -46,7 +46,7 @@ Tensors = dict[str, torch.Tensor]
 
 def saliency(tensors: Tensors, prefix: str, depth: int, h: torch.Tensor) -> list[torch.Tensor]:
     """``s`` ``(features,)`` of each hidden layer of the network ``<prefix>_<i>`` on its input ``h``
-    ``(N, 5 or 13, H', W')`` (``kdeq.guidenet.network_input``, ``colour_network_input``)."""
+    ``(N, 5 or 13, H', W')`` (``kdeq.guidenet.network_input``)."""
     out = []
     with torch.no_grad():
         for i in range(depth - 1):
@@ -142,7 +142,7 @@ def prune(
             )
         y, sigma = _noisy_patches(colour_images or [], torch.Generator().manual_seed(seed))
         q = opponent(3, y.dtype)
-        h = colour_network_input(torch.einsum("dc,bchw->bdhw", q, y), sigma)
+        h = network_input(torch.einsum("dc,bchw->bdhw", q, y), sigma)
         keep = _keep(saliency(tensors, "net_colour", net.depth, h), colour_channels)
         tensors = pruned(tensors, "net_colour", net.depth, keep)
         grown = grown.model_copy(update={"colour_channels": colour_channels})
