@@ -112,6 +112,11 @@ def _colour_images(count: int = 3, size: int = 72) -> list[torch.Tensor]:
     return [torch.rand(3, size, size, generator=gen) for _ in range(count)]
 
 
+def test_a_colour_network_cannot_be_measured_without_colour_images() -> None:
+    with pytest.raises(ValueError, match="needs images"):
+        prune(load_checkpoint(SOURCE), None, [], colour_channels=16)
+
+
 def test_a_grown_colour_network_kept_whole_is_the_grey_networks_per_channel_pilot() -> None:
     checkpoint = load_checkpoint(default_models_dir() / "denoise-kglm" / "3")
     net = checkpoint.config.architecture.net

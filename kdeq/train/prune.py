@@ -96,6 +96,8 @@ def colour_copies(tensors: Tensors, net: GuideNet) -> Tensors:
 def _noisy_patches(images: list[torch.Tensor], gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``PATCHES`` seeded patches of ``images`` ``(c, H, W)`` with Gaussian noise of levels drawn from
     ``SIGMA_RANGE``: ``(PATCHES, c, PATCH_SIZE, PATCH_SIZE)`` and their ``σ`` ``(PATCHES,)`` in [0, 1]."""
+    if not images:
+        raise ValueError("the saliency needs images to measure it on; none were given")
     picks = torch.randint(len(images), (PATCHES,), generator=gen).tolist()
     x = torch.stack([random_patch(images[k], PATCH_SIZE, gen) for k in picks])
     lo, hi = SIGMA_RANGE
