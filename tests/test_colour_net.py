@@ -28,20 +28,19 @@ def test_three_block_copies_of_the_grey_network_give_its_per_channel_pilot() -> 
     """``colour_copies`` builds the colour network as three block copies of the grey one; through the
     joint pass (one unshuffle of the three channels, channel-major) it must give the grey network's
     pilot computed one opponent channel at a time."""
-    wide = GuideNet(depth=3, channels=8, colour_channels=24)
     t = colour_copies(trained_like(GREY, 7), GREY)
     gen = torch.Generator().manual_seed(8)
     y, base = torch.rand(2, 3, 18, 23, generator=gen), torch.rand(2, 3, 18, 23, generator=gen)
     sigma = torch.tensor([0.05, 0.2])
     want = pilot(y, base, sigma, t, GREY)  # the grey network, one opponent channel at a time
-    assert torch.allclose(pilot(y, base, sigma, t, wide), want, atol=1e-5)
+    assert torch.allclose(pilot(y, base, sigma, t, JOINT), want, atol=1e-5)
     level = torch.rand(2, 3, generator=gen)  # a tile's whole image's channel means (kdeq.tiling)
     assert torch.allclose(
-        pilot(y, base, sigma, t, wide, level), pilot(y, base, sigma, t, GREY, level), atol=1e-5
+        pilot(y, base, sigma, t, JOINT, level), pilot(y, base, sigma, t, GREY, level), atol=1e-5
     )
 
 
-def test_the_colour_network_is_one_pass_that_mixes_the_channels_and_leaves_grey_alone() -> None:
+def test_the_colour_network_reads_the_channels_together_and_leaves_grey_images_alone() -> None:
     t = trained_like(JOINT, 3)
     gen = torch.Generator().manual_seed(9)
     y = torch.rand(1, 3, 16, 16, generator=gen)
@@ -60,7 +59,6 @@ def test_the_colour_network_is_one_pass_that_mixes_the_channels_and_leaves_grey_
 def test_the_colour_networks_kglm_start_keeps_the_grey_start_and_gives_colour_its_base() -> None:
     start = JOINT.kglm_start()
     assert set(start) == set(JOINT.shapes())
-    assert {k: start[k] for k in GREY.shapes()}.keys() == GREY.kglm_start().keys()
     for k, v in GREY.kglm_start().items():  # the grey network's start is drawn first, as before
         assert torch.equal(start[k], v)
     assert start["net_colour_2_weight"].abs().sum() == 0 and start["net_colour_skip"].item() == 0
@@ -97,9 +95,8 @@ def colour_images(directory: Path, count: int, size: int, seed: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     for k in range(count):
-        x = torch.nn.functional.avg_pool2d(torch.rand(1, 3, size + 6, size + 6, generator=gen), 7, stride=1)[
-            0
-        ]
+        noise = torch.rand(3, size + 6, size + 6, generator=gen)
+        x = torch.nn.functional.avg_pool2d(noise, 7, stride=1)
         x = (x - x.amin()) / (x.amax() - x.amin())
         Image.fromarray((x.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()).save(
             directory / f"{k}.png"
