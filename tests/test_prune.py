@@ -19,9 +19,17 @@ from kdeq.train.prune import prune, pruned
 SOURCE = default_models_dir() / "denoise-kglm" / "2"
 
 
-def _images(count: int = 3, size: int = 72) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.rand(1, size, size, generator=gen) for _ in range(count)]
+def _images(channels: int = 1, seed: int = 0, count: int = 3, size: int = 72) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.rand(channels, size, size, generator=gen) for _ in range(count)]
+
+
+def _image_folder(folder: Path, images: list[torch.Tensor]) -> Path:
+    """``images`` written as PNGs into ``folder``, the ``--train`` of a ``kdeq prune`` call."""
+    folder.mkdir()
+    for k, image in enumerate(images):
+        write_png(folder / f"{k}.png", image)
+    return folder
 
 
 def test_keeping_every_feature_keeps_the_network() -> None:
@@ -73,10 +81,7 @@ def test_a_feature_the_next_layer_never_reads_is_the_first_to_go() -> None:
 def test_kdeq_prune_writes_a_checkpoint_that_serves_and_refuses_what_it_cannot_cut(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    images = tmp_path / "images"
-    images.mkdir()
-    for k, image in enumerate(_images()):
-        write_png(images / f"{k}.png", image)
+    images = _image_folder(tmp_path / "images", _images())
     out = tmp_path / "pruned"
     assert (
         kdeq_main(["prune", str(SOURCE), "--channels", "24", "--train", str(images), "--out", str(out)]) == 0
@@ -107,11 +112,6 @@ def test_kdeq_prune_writes_a_checkpoint_that_serves_and_refuses_what_it_cannot_c
     assert not (tmp_path / "x").exists()
 
 
-def _colour_images(count: int = 3, size: int = 72) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    return [torch.rand(3, size, size, generator=gen) for _ in range(count)]
-
-
 def test_a_colour_network_cannot_be_measured_without_colour_images() -> None:
     with pytest.raises(ValueError, match="needs images"):
         prune(load_checkpoint(SOURCE), None, [], colour_channels=16)
@@ -121,7 +121,7 @@ def test_a_grown_colour_network_kept_whole_is_the_grey_networks_per_channel_pilo
     checkpoint = load_checkpoint(default_models_dir() / "denoise-kglm" / "3")
     net = checkpoint.config.architecture.net
     spec, tensors = prune(
-        checkpoint, None, [], colour_channels=3 * net.channels, colour_images=_colour_images()
+        checkpoint, None, [], colour_channels=3 * net.channels, colour_images=_images(channels=3, seed=3)
     )
     grown = spec.architecture.net
     assert grown.colour_channels == 3 * net.channels and grown.channels == net.channels
@@ -136,10 +136,7 @@ def test_a_grown_colour_network_kept_whole_is_the_grey_networks_per_channel_pilo
 def test_kdeq_prune_grows_and_cuts_a_colour_network(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    images = tmp_path / "images"
-    images.mkdir()
-    for k, image in enumerate(_colour_images()):
-        write_png(images / f"{k}.png", image)
+    images = _image_folder(tmp_path / "images", _images(channels=3, seed=3))
     source = default_models_dir() / "denoise-kglm" / "3"
     out = tmp_path / "colour"
     args = ["prune", str(source), "--colour-channels", "20", "--train", str(images), "--out", str(out)]
