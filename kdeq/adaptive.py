@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -131,8 +132,9 @@ def guided_weights(
     taps = torch.stack([spatial[r + a, r + b] for a, b in chosen])
     if _gathers(guide):
         return _guided_weights_gathered(padded, src, taps, inv, r, 2 * p + 1, chosen, sizes)
-    out = torch.empty(bsz, len(chosen), height, width, dtype=guide.dtype, device=guide.device)
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (guide, spatial, h2)))
+    shape = (bsz, len(chosen), height, width)
+    out = _kept.take(shape, guide) if inplace else guide.new_empty(shape)
     n = 2 * p + 1
     if inplace:
         sq = guide.new_empty(bsz, _CHUNK, hp, wp)
@@ -165,6 +167,49 @@ def guided_weights(
             F.threshold(w.clamp_(min=_CUTOFF).exp_(), _FLOOR, 0.0, inplace=True).mul_(tap)
         _zero_outside(w, part, sizes)
     return out
+
+
+#: the most bytes of weight maps kept between solves on a CPU, to be written again by the next solve
+#: of at most that size. Maps beyond glibc's largest mmap threshold (32 MiB) are fresh pages at every
+#: solve, each faulted in on its first write: one 512² image's 118 MiB made the default denoiser's
+#: solve 1.2x slower than kept maps on this project's 2-core CPU (docs/BENCHMARKS.md). Above this
+#: size the maps are allocated per solve, and their memory is given back after it
+KEPT_BYTES = 256 << 20
+
+
+class _KeptBuffer:
+    """One CPU buffer of weight maps, kept between solves and handed out again once no tensor uses it."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._free_users = 0  # its storage's user count while only this object holds it
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised tensor of ``shape`` on ``like``'s device and dtype: the kept buffer's first
+        elements when it is large enough and unused (the operator that had it is gone), else a new
+        buffer, kept in its place when within ``KEPT_BYTES``. Off the CPU (whose allocators cache on
+        their own) a plain ``empty``."""
+        numel = math.prod(shape)
+        if like.device.type != "cpu" or numel * like.element_size() > KEPT_BYTES:
+            return like.new_empty(shape)
+        with self._lock:
+            buf = self._buffer
+            fits = buf is not None and buf.dtype == like.dtype and buf.numel() >= numel
+            if not fits or _users(buf) != self._free_users:
+                # made outside inference mode, so that solves in and out of it may both write it
+                with torch.inference_mode(False):
+                    buf = torch.empty(numel, dtype=like.dtype)
+                self._buffer, self._free_users = buf, _users(buf)
+            return buf[:numel].view(shape)
+
+
+def _users(t: torch.Tensor) -> int:
+    """How many tensors hold ``t``'s storage (``t`` and its views), plus the storage object asked."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_kept = _KeptBuffer()
 
 
 def _zero_outside(w: torch.Tensor, offsets: Offsets, sizes: Sizes | None) -> None:

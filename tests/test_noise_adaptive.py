@@ -154,6 +154,44 @@ def test_the_gathered_path_equals_the_loop_on_padded_batches_and_parts_of_the_of
         torch.testing.assert_close(results[True][1], results[False][1], rtol=1e-12, atol=1e-13)
 
 
+def test_weight_maps_are_written_again_only_once_no_operator_holds_them() -> None:
+    """The CPU's in-place maps reuse one kept buffer: a second operator made while the first lives gets
+    maps of its own (the first's products are unchanged, and each equals its dense Gram's), and once
+    its holder is gone the next operator is handed the same memory, in or out of inference mode."""
+    spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
+    guides = torch.rand(2, 1, 1, 9, 11, dtype=F64)
+    h2 = torch.tensor([0.4], dtype=F64)
+    x = torch.randn(1, 1, 9, 11, dtype=F64)
+    with torch.inference_mode():
+        first = GuidedOperator(guides[0], spatial, 1, h2, False)
+    before = first(x)
+    second = GuidedOperator(guides[1], spatial, 1, h2, False)
+    assert second._weights.data_ptr() != first._weights.data_ptr()
+    assert torch.equal(first(x), before)
+    for k, product in enumerate((first(x), second(x))):
+        gram = guided_gram(guides[k, 0], spatial, 1, 0.4, normalize=False)
+        torch.testing.assert_close(product.reshape(-1), gram @ x.reshape(-1), rtol=1e-12, atol=1e-12)
+    held = second._weights.data_ptr()
+    del second
+    with torch.inference_mode():
+        third = GuidedOperator(guides[0], spatial, 1, h2, False)
+    assert third._weights.data_ptr() == held
+    assert torch.equal(third(x), before)
+
+
+def test_weight_maps_beyond_the_kept_size_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adaptive, "_kept", adaptive._KeptBuffer())
+    spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
+    guide = torch.rand(1, 1, 9, 11, dtype=F64)
+    monkeypatch.setattr(adaptive, "KEPT_BYTES", 25 * 9 * 11 * 8 - 1)  # one map short of the 25
+    op = GuidedOperator(guide, spatial, 1, torch.tensor([0.4], dtype=F64), False)
+    assert adaptive._kept._buffer is None
+    monkeypatch.setattr(adaptive, "KEPT_BYTES", 25 * 9 * 11 * 8)
+    del op
+    op = GuidedOperator(guide, spatial, 1, torch.tensor([0.4], dtype=F64), False)
+    assert adaptive._kept._buffer.data_ptr() == op._weights.data_ptr()
+
+
 def test_normalized_kernel_has_spectral_radius_one() -> None:
     """``D^{-1/2} K D^{-1/2}`` is similar to the row-stochastic ``D⁻¹K``: its top eigenvalue is 1."""
     spatial = Kernel(lengthscale=2.0, radius=2).filter(F64)
