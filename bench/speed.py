@@ -27,7 +27,8 @@ Sections (all by default; each prints a Markdown table):
   measured in this process first), beside one process per image for the first four and a process
   that only imports torch; kdeq's bytecode compiled first, as an installed package has it.
 
-- ``tiling``: the default denoiser on Kodak24 photo mosaics from 1.6 to 25 megapixels: tiled
+- ``tiling``: the default denoiser (σ = 25 noise) and the default inpainter (half the pixels and a
+  64² block per 256² missing) on Kodak24 photo mosaics from 1.6 to 25 megapixels: tiled
   (``kdeq.tiling``) against untiled in process (time, PSNR, largest difference) where both fit, then
   ``kdeq denoise`` on each mosaic's PNG in a fresh process: its peak resident memory and time.
 
@@ -402,34 +403,60 @@ TILING_PROBE = """
 import sys, time
 from kdeq.cli import main
 start = time.perf_counter()
-code = main(["denoise", sys.argv[1], "-o", sys.argv[2], "--sigma", "25", "--tile", sys.argv[3]])
+code = main(sys.argv[1:])
 seconds = time.perf_counter() - start
 peak = next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(code, peak, seconds)
 """
 
 
+def holes(shape: tuple[int, int], gen: torch.Generator) -> np.ndarray:
+    """An inpainting mask ``(1, H, W)`` (True = missing): half the pixels at random and one 64×64 block
+    in every 256×256 cell."""
+    miss = torch.rand(1, *shape, generator=gen) < 0.5
+    miss.unflatten(1, (-1, 256))[:, :, 96:160].unflatten(-1, (-1, 256))[..., 96:160] = True
+    return miss.numpy()
+
+
 def section_tiling(args: argparse.Namespace) -> None:
+    """The default denoiser's tiles (σ = 25 noise, given) and the default inpainter's (``holes``)."""
+    from kdeq.tasks import TASKS
+
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def noise(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor]]:
+        noisy = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1)
+        return noisy.numpy(), {}, {"image": noisy}
+
+    def mask(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor]]:
+        miss = holes(tuple(clean.shape[-2:]), gen)
+        return clean.numpy(), {"mask": miss}, {"image": clean, "mask": torch.from_numpy(miss).float()}
+
+    _tiling_rows(TASKS["denoise"], noise, "σ = 25 noise (given)", {"sigma": SIGMA}, ["--sigma", "25"])
+    _tiling_rows(TASKS["inpaint"], mask, "half the pixels and a 64² block per 256² missing", {}, [])
+
+
+def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> None:
+    """``task``'s default model with ``options`` (``cli`` on the command line) on Kodak24 mosaics
+    corrupted by ``corrupt(clean)`` → (the request's image, its files, the images the CLI reads by
+    name): tiled against untiled in process, then through ``kdeq TASK`` in a fresh process per row
+    (peak memory and time)."""
     import tempfile
 
     from kdeq.imageio import write_png
-    from kdeq.tasks import TASKS, solve_batch
+    from kdeq.tasks import solve_batch
     from kdeq.tiling import TILE_SIZE, solve_tiled
 
-    model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cpu")
-    task = TASKS["denoise"]
-    print(
-        f"\n### Tiles: {model.name}, Kodak24 mosaics, σ = 25 (given), tiles of {TILE_SIZE}, "
-        f"halo {model.reach}\n"
-    )
-    print("In process, the same noisy image tiled and untiled (seconds, PSNR against the clean mosaic):\n")
+    model = load_predictor(find_model(default_models_dir(), f"{task.name}-kglm"), "cpu")
+    halo = task.tile_halo(model)
+    print(f"\n### Tiles: {model.name}, Kodak24 mosaics, {what}, tiles of {TILE_SIZE}, halo {halo}\n")
+    print("In process, the same input tiled and untiled (seconds, PSNR against the clean mosaic):\n")
     print("| image | untiled s | tiled s | tiled ÷ untiled | untiled PSNR | tiled − untiled (dB) | max |Δ| |")
     print("|---|---|---|---|---|---|---|")
-    gen = torch.Generator().manual_seed(args.seed)
     for rows, cols in [(2, 2), (3, 3)]:
         clean = mosaic(rows, cols)
-        noisy = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).numpy()
-        request = task.prepare(noisy, None, task.options(sigma=SIGMA), {})
+        image, files, _ = corrupt(clean)
+        request = task.prepare(image, None, task.options(**options), files)
         start = time.perf_counter()
         whole = solve_batch(task, model, [request])[0]
         untiled = time.perf_counter() - start
@@ -442,30 +469,30 @@ def section_tiling(args: argparse.Namespace) -> None:
             f"{tiled:.1f} | {tiled / untiled:.2f} | {psnr[0]:.3f} | {psnr[1] - psnr[0]:+.4f} | "
             f"{np.abs(cut.output - whole.output).max():.1e} |"
         )
-    print("\nThrough `kdeq denoise IMG -o OUT --sigma 25` (reading and writing the PNGs included), a fresh")
-    print("process per row; peak resident memory of the whole process:\n")
+    print(f"\nThrough `kdeq {task.name} IMG -o OUT {' '.join(cli)}` (reading and writing the PNGs included),")
+    print("a fresh process per row; peak resident memory of the whole process:\n")
     print("| image | tiles | peak RSS (MiB) | s | s per MP |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for rows, cols in [(2, 2), (3, 3), (4, 4), (6, 6), (8, 8)]:
             clean = mosaic(rows, cols)
-            path = Path(tmp) / "noisy.png"
-            write_png(path, (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1))
+            _, _, pictures = corrupt(clean)
+            paths = {name: Path(tmp) / f"{name}.png" for name in pictures}
+            for name, picture in pictures.items():
+                write_png(paths[name], picture)
             mp = clean[0].numel() / 1e6
-            del clean
+            del clean, pictures
+            inputs = [str(paths["image"])] + (["--mask", str(paths["mask"])] if "mask" in paths else [])
             for tile in [TILE_SIZE] + ([0] if rows <= 3 else []):
+                command = [task.name, *inputs, "-o", str(Path(tmp) / "out.png"), *cli, "--tile", str(tile)]
                 out = subprocess.run(
-                    [sys.executable, "-c", TILING_PROBE, str(path), str(Path(tmp) / "out.png"), str(tile)],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                    cwd=ROOT,
+                    [sys.executable, "-c", TILING_PROBE, *command], capture_output=True, text=True, cwd=ROOT
                 ).stdout.split()
                 code, peak, seconds = int(out[-3]), int(out[-2]) / 1024, float(out[-1])
-                what = f"{tile}²" if tile else "none (untiled)"
+                where = f"{tile}²" if tile else "none (untiled)"
                 note = "" if code == 0 else f" (exit {code})"
                 print(
-                    f"| {768 * cols}×{512 * rows} ({mp:.1f} MP) | {what} | {peak:.0f}{note} | "
+                    f"| {768 * cols}×{512 * rows} ({mp:.1f} MP) | {where} | {peak:.0f}{note} | "
                     f"{seconds:.1f} | {seconds / mp:.2f} |"
                 )
 

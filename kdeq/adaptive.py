@@ -188,20 +188,24 @@ class _KeptBuffer:
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """An uninitialised tensor of ``shape`` on ``like``'s device and dtype: the kept buffer's first
         elements when it is large enough and unused (the operator that had it is gone), else a new
-        buffer, kept in its place when within ``KEPT_BYTES``. Off the CPU (whose allocators cache on
-        their own) a plain ``empty``."""
-        numel = math.prod(shape)
-        if like.device.type != "cpu" or numel * like.element_size() > KEPT_BYTES:
+        buffer, kept in its place when within ``KEPT_BYTES``. An unused kept buffer that does not serve
+        is let go before the new one is made, so that the two are never held at once. Off the CPU
+        (whose allocators cache on their own) a plain ``empty``."""
+        if like.device.type != "cpu":
             return like.new_empty(shape)
+        numel = math.prod(shape)
         with self._lock:
-            buf = self._buffer
-            fits = buf is not None and buf.dtype == like.dtype and buf.numel() >= numel
-            if not fits or _users(buf) != self._free_users:
-                # made outside inference mode, so that solves in and out of it may both write it
-                with torch.inference_mode(False):
-                    buf = torch.empty(numel, dtype=like.dtype)
-                self._buffer, self._free_users = buf, _users(buf)
-            return buf[:numel].view(shape)
+            if self._buffer is not None and _users(self._buffer) == self._free_users:
+                if self._buffer.dtype == like.dtype and self._buffer.numel() >= numel:
+                    return self._buffer[:numel].view(shape)
+                self._buffer = None
+            if numel * like.element_size() > KEPT_BYTES:
+                return like.new_empty(shape)
+            # made outside inference mode, so that solves in and out of it may both write it
+            with torch.inference_mode(False):
+                self._buffer = torch.empty(numel, dtype=like.dtype)
+            self._free_users = _users(self._buffer)
+            return self._buffer.view(shape)
 
 
 def _users(t: torch.Tensor) -> int:

@@ -50,13 +50,16 @@ def separable_blur(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
     return F.conv2d(y, taps.reshape(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
 
 
-def normalized_convolution(y: torch.Tensor, observed: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+def normalized_convolution(
+    y: torch.Tensor, observed: torch.Tensor, taps: torch.Tensor, level: torch.Tensor | None = None
+) -> torch.Tensor:
     """``G*(M⊙y) / G*M``: the Gaussian-weighted mean of the observed pixels around each pixel.
 
     ``y`` ``(B, c, H, W)``, ``observed`` ``(B, 1, H, W)`` in {0, 1}. Where no observed
-    pixel is within reach the image's observed mean is used.
+    pixel is within reach, ``level`` ``(B, c)`` is used, by default the image's observed mean.
     """
     num = separable_blur(y * observed, taps)
     den = separable_blur(observed, taps)
     tiny = 1e-6
-    return torch.where(den > tiny, num / den.clamp(min=tiny), observed_mean(y, observed).expand_as(num))
+    fill = observed_mean(y, observed) if level is None else level.to(y.dtype)[..., None, None]
+    return torch.where(den > tiny, num / den.clamp(min=tiny), fill.expand_as(num))

@@ -331,15 +331,21 @@ def inpaint_pilot(
     base: torch.Tensor,
     tensors: dict[str, torch.Tensor],
     net: GuideNet,
+    level: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The inpainter's ``p = b + N_θ(M·(y − ȳ_O), M)`` ``(B, c, H, W)`` for ``y`` and ``b``
-    ``(B, c, H, W)`` and the observed mask ``M`` ``(B, 1, H, W)`` (1 observed, 0 missing; every
-    image has an observed pixel); ``ȳ_O`` is each channel's mean over ``M``."""
+    ``(B, c, H, W)`` and the observed mask ``M`` ``(B, 1, H, W)`` (1 observed, 0 missing); ``ȳ_O`` is
+    each channel's mean over ``M`` (every image then needs an observed pixel), or ``level`` ``(B, c)``
+    when given (a tile's whole image's, ``kdeq.tiling``)."""
     m = observed.to(y.dtype).repeat_interleave(y.shape[1], dim=0)
+    if level is not None:  # in the opponent basis, one value per (sample, channel), sample-major
+        level = (level.to(y.dtype) @ opponent(y.shape[1], y.dtype).to(y.device).T).reshape(-1, 1, 1, 1)
 
     def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
-        level = (u * m).sum(dim=(2, 3), keepdim=True) / m.sum(dim=(2, 3), keepdim=True)
-        h = torch.cat([_unshuffle(m * (u - level)), _unshuffle(m)], dim=1)
+        centre = level
+        if centre is None:
+            centre = (u * m).sum(dim=(2, 3), keepdim=True) / m.sum(dim=(2, 3), keepdim=True)
+        h = torch.cat([_unshuffle(m * (u - centre)), _unshuffle(m)], dim=1)
         return ub + _network(h, tensors, net, tuple(u.shape[-2:]))
 
     return _per_opponent_channel(one, y, base)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from kdeq.families import Gaussian
+from kdeq.filters import normalized_convolution
 from kdeq.guidenet import inpaint_pilot
 from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 
@@ -32,27 +33,56 @@ class Inpainter(Predictor):
     def pads_exactly(self) -> bool:
         return self.config.architecture.padding == "zeros"
 
+    @property
+    def reach(self) -> int:
+        """``ρ``: the equation of a pixel, ``z = M K M (y − z)/λ + m`` there, reads the image and the mask
+        within ``ρ`` pixels of it, given the observed channel means (``level``): the kernel's radius
+        for ``K``'s row, the normalised convolution's for ``m``, and the network's receptive field
+        (``depth`` 3×3 layers on the 2×2-unshuffled image: ``2·depth + 1`` pixels)."""
+        net = self.config.architecture.net
+        mean = self.mean_taps.shape[0] // 2 if self.config.mean == "normalized_convolution" else 0
+        pilot = 0 if net is None else 2 * net.depth + 1
+        return max(self.tensors["w1"].shape[-1] // 2, mean, pilot)
+
+    @property
+    def solve_reach(self) -> int:
+        """The halo a tile needs for its core's *solution* to match the whole image's to the solver's
+        tolerance: ``reach`` plus four kernel radii, as for the stationary denoiser (``kdeq.denoise``):
+        the observed pixels' equilibrium couples them through ``(K_OO + λI)⁻¹`` beyond the reach
+        (``tests/test_tiling.py`` measures it)."""
+        return self.reach + 4 * (self.tensors["w1"].shape[-1] // 2)
+
     def forward(
         self,
         images: torch.Tensor,
         missing: torch.Tensor,
         solver: SolverOverride | None = None,
         sizes: Sizes | None = None,
+        level: torch.Tensor | None = None,
     ) -> Prediction:
         """``images`` ``(B, c, H, W)``; ``missing`` ``(B, 1, H, W)`` or ``(B, H, W)``, non-zero = missing;
-        ``sizes`` each image's ``(h, w)`` in a padded batch (``kdeq.predictor``).
+        ``sizes`` each image's ``(h, w)`` in a padded batch (``kdeq.predictor``); ``level`` ``(B, c)``
+        the observed pixels' channel means in place of each image's own (a tile's whole image's,
+        ``kdeq.tiling``): the mean where no observed pixel is near and what the network centres on.
+        With it an image may have no observed pixel (a tile inside a hole).
 
         Values of ``images`` at missing pixels are ignored.
         """
         if sizes is not None and not self.pads_exactly:
             raise ValueError(f"{self.name} cannot batch images of different sizes exactly")
-        x, observed = self._observed(images, missing, sizes)
+        if level is not None and (sizes is not None or level.shape != images.shape[:2]):
+            raise ValueError(f"level must be (B, c) = {tuple(images.shape[:2])}, for images of one size")
+        x, observed = self._observed(images, missing, sizes, empty=level is not None)
+        level = None if level is None else level.to(x.device, x.dtype)
         y = x * observed
         lam = self.lam(torch.zeros(x.shape[0], device=self.device))
-        mean = self.mean(y, observed, sizes)
+        if level is not None and self.config.mean == "normalized_convolution":
+            mean = normalized_convolution(y, observed, self.mean_taps, level)
+        else:
+            mean = self.mean(y, observed, sizes)
         pilot_image = None
         if self.config.architecture.net is not None:
-            mean = pilot_image = self._pilot(y, observed, mean, sizes)
+            mean = pilot_image = self._pilot(y, observed, mean, sizes, level)
         out = self.conv_layer(Gaussian(), lam)(
             y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
         )
@@ -69,10 +99,11 @@ class Inpainter(Predictor):
         return self._pilot(y, observed, self.mean(y, observed), None)
 
     def _observed(
-        self, images: torch.Tensor, missing: torch.Tensor, sizes: Sizes | None
+        self, images: torch.Tensor, missing: torch.Tensor, sizes: Sizes | None, empty: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The checked images ``(B, c, H, W)`` and their observed mask ``M`` ``(B, 1, H, W)``
-        (0 on missing pixels and a padded batch's padding)."""
+        (0 on missing pixels and a padded batch's padding); an image without an observed pixel is
+        refused unless ``empty``."""
         x = self.images(images)
         miss = torch.as_tensor(missing, device=self.device)
         if miss.dim() == 3:
@@ -83,18 +114,23 @@ class Inpainter(Predictor):
         valid = valid_region(x, sizes)
         if valid is not None:
             observed = observed * valid
-        empty = observed.sum(dim=(1, 2, 3)) == 0
-        if bool(empty.any()):
-            raise ValueError(f"images {empty.nonzero().flatten().tolist()} have no observed pixels")
+        none = observed.sum(dim=(1, 2, 3)) == 0
+        if not empty and bool(none.any()):
+            raise ValueError(f"images {none.nonzero().flatten().tolist()} have no observed pixels")
         return x, observed
 
     def _pilot(
-        self, y: torch.Tensor, observed: torch.Tensor, base: torch.Tensor, sizes: Sizes | None
+        self,
+        y: torch.Tensor,
+        observed: torch.Tensor,
+        base: torch.Tensor,
+        sizes: Sizes | None,
+        level: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``inpaint_pilot`` ``(B, c, H, W)``, each image of a padded batch on its own pixels."""
         net, t = self.config.architecture.net, self.tensors
         if sizes is None:
-            return inpaint_pilot(y, observed, base, t, net)
+            return inpaint_pilot(y, observed, base, t, net, level)
         c = y.shape[1]
         both = torch.cat([y, observed, base], dim=1)
         return per_image(

@@ -73,7 +73,7 @@ class Settings(BaseModel):
         4 * 2**20,
         ge=64,
         le=2**27,
-        description="largest image a model that does not solve in tiles (every task but denoise) takes "
+        description="largest image a model that does not solve in tiles (every task but denoise and inpaint) takes "
         "(413 above): its solve's memory grows with the image",
     )
     tile_size: int = Field(
@@ -81,7 +81,7 @@ class Settings(BaseModel):
         ge=0,
         le=2**14,
         description="images of more than `KDEQ_TILE_SIZE`² pixels are solved in tiles of about this side "
-        "where the model can (`kdeq.tiling`: denoise), so that memory stays a tile's; 0: never "
+        "where the model can (`kdeq.tiling`: denoise and inpaint), so that memory stays a tile's; 0: never "
         "(then `KDEQ_MAX_UNTILED_PIXELS` bounds every model)",
     )
     max_batch_size: int | None = Field(

@@ -179,16 +179,23 @@ def test_weight_maps_are_written_again_only_once_no_operator_holds_them() -> Non
     assert torch.equal(third(x), before)
 
 
-def test_weight_maps_beyond_the_kept_size_are_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_weight_maps_beyond_the_kept_size_are_not_kept_nor_held_beside_a_kept_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Maps within ``KEPT_BYTES`` are kept; a larger image's are not, and an unused kept buffer too small
+    for them is let go before they are made (a tiled image's edge tiles would otherwise hold theirs
+    beside the next tile's)."""
     monkeypatch.setattr(adaptive, "_kept", adaptive._KeptBuffer())
+    monkeypatch.setattr(adaptive, "KEPT_BYTES", 25 * 9 * 11 * 8)  # the 25 maps of one 9×11 image
     spatial = Kernel(profile="matern32", lengthscale=2.0, radius=3).filter(F64)
-    guide = torch.rand(1, 1, 9, 11, dtype=F64)
-    monkeypatch.setattr(adaptive, "KEPT_BYTES", 25 * 9 * 11 * 8 - 1)  # one map short of the 25
-    op = GuidedOperator(guide, spatial, 1, torch.tensor([0.4], dtype=F64), False)
-    assert adaptive._kept._buffer is None
-    monkeypatch.setattr(adaptive, "KEPT_BYTES", 25 * 9 * 11 * 8)
+    h2 = torch.tensor([0.4], dtype=F64)
+    op = GuidedOperator(torch.rand(1, 1, 9, 11, dtype=F64), spatial, 1, h2, False)
+    assert adaptive._kept._buffer.data_ptr() == op._weights.data_ptr()
     del op
-    op = GuidedOperator(guide, spatial, 1, torch.tensor([0.4], dtype=F64), False)
+    op = GuidedOperator(torch.rand(1, 1, 9, 12, dtype=F64), spatial, 1, h2, False)
+    assert adaptive._kept._buffer is None
+    del op
+    op = GuidedOperator(torch.rand(1, 1, 8, 11, dtype=F64), spatial, 1, h2, False)
     assert adaptive._kept._buffer.data_ptr() == op._weights.data_ptr()
 
 

@@ -10,6 +10,7 @@ from kdeq.cli import main
 from kdeq.cli import test_image as piecewise_image
 from kdeq.denoise import Denoiser
 from kdeq.families import Gaussian
+from kdeq.filters import normalized_convolution
 from kdeq.imageio import read_image, write_png
 from kdeq.predictor import SolverOverride
 from kdeq.repository import default_models_dir, find_model, load_predictor
@@ -208,12 +209,10 @@ def test_batched_tiles_equal_single_tiles_and_progress_counts_them(default) -> N
 
 
 def test_tasks_without_a_tiled_solve_refuse_it() -> None:
-    task = TASKS["inpaint"]
-    request = Request(
-        np.zeros((1, 64, 64), np.float32), task.options(), {"missing": np.zeros((1, 64, 64), bool)}
-    )
+    task = TASKS["segment"]
+    request = Request(np.zeros((1, 64, 64), np.float32), task.options())
     with pytest.raises(ValueError, match="whole images only"):
-        solve_tiled(task, shipped("inpaint-kglm"), request, 32)
+        solve_tiled(task, shipped("segment-kglm"), request, 32)
 
 
 def test_the_cli_tiles_a_large_image_and_writes_what_the_untiled_solve_writes(
@@ -267,5 +266,96 @@ def test_only_images_larger_than_a_tile_of_tasks_that_tile_are_cut(default) -> N
     request = Request(np.zeros((1, 32, 32), np.float32), DENOISE.options())
     assert not tiled(DENOISE, default, request, 32) and tiled(DENOISE, default, request, 30)
     assert not tiled(DENOISE, default, request, 0)
-    inpaint = TASKS["inpaint"]
-    assert not tiled(inpaint, shipped("inpaint-kglm"), Request(request.image, inpaint.options()), 30)
+    segment = TASKS["segment"]
+    assert not tiled(segment, shipped("segment-kglm"), Request(request.image, segment.options()), 30)
+
+
+# -------------------------------------------------------------------------------------- inpainting
+
+INPAINT = TASKS["inpaint"]
+
+
+def holes(height: int, width: int, seed: int = 0) -> np.ndarray:
+    """A mask ``(1, H, W)`` (True = missing): 30 % of the pixels at random and a block of 60 % of each
+    side in the middle, larger than the tests' tiles with their halos."""
+    miss = np.random.default_rng(seed).random((1, height, width)) < 0.3
+    miss[:, height // 5 : height * 4 // 5, width // 5 : width * 4 // 5] = True
+    return miss
+
+
+def inpaint_equation(model, y: torch.Tensor, missing: torch.Tensor, level: torch.Tensor, at) -> torch.Tensor:
+    """What pixel ``at``'s equation ``z = M⊙[W1(M z) + W2(M y)] + m`` reads of ``y`` ``(1, c, H, W)``
+    and ``missing`` ``(1, 1, H, W)``, the observed means ``level`` ``(1, c)`` fixed: ``W1`` applied to a
+    fixed probe on the observed pixels, ``W2`` to ``y`` there, ``m``, and ``M`` at ``at``."""
+    with torch.inference_mode():
+        x, observed = model._observed(y, missing, None, empty=True)
+        mean = normalized_convolution(x * observed, observed, model.mean_taps, level)
+        if model.config.architecture.net is not None:
+            mean = model._pilot(x * observed, observed, mean, None, level)
+        layer = model.conv_layer(Gaussian(), model.lam(torch.zeros(1)))
+        probe = torch.linspace(-1, 1, y.numel()).reshape(y.shape)
+        parts = [layer.w1(observed * probe), layer.w2(observed * x), mean, observed.expand_as(x)]
+        return torch.cat([p[0, :, at[0], at[1]] for p in parts])
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_an_inpainted_pixel_s_equation_reads_nothing_beyond_the_reach(version) -> None:
+    """Perturb one pixel, its value and whether it is observed, at ∞-distance ``ρ + 1`` or more from
+    ``x``: ``x``'s equation is bit for bit unchanged; within ``ρ`` it changes."""
+    model = shipped("inpaint-kglm", version)
+    rho = model.reach
+    y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=True, sigma=0.0))[None]
+    missing = torch.from_numpy(holes(2 * rho + 12, 2 * rho + 12)[None] & False)
+    missing[..., ::3, ::2] = True
+    level = torch.full((1, 3), 0.5)
+    at = (rho + 4, 3)
+    with backends.force_backend("prepadded"):
+        base = inpaint_equation(model, y, missing, level, at)
+        for distance, unchanged in [(rho + 1, True), (rho + 7, True), (1, False)]:
+            for dr, dc in ((0, distance), (-distance, 0)):
+                moved, flipped = y.clone(), missing.clone()
+                moved[..., at[0] + dr, at[1] + dc] += 0.5
+                flipped[..., at[0] + dr, at[1] + dc] = ~flipped[..., at[0] + dr, at[1] + dc]
+                assert torch.equal(inpaint_equation(model, moved, flipped, level, at), base) == unchanged, (
+                    dr,
+                    dc,
+                )
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_the_inpainters_tiled_match_the_untiled_solve(version) -> None:
+    """At the default halo (``solve_reach``) the tiles match the whole image to 10⁻³ and 0.001 dB (tol
+    10⁻⁶), tiles inside the hole with no observed pixel included; with no halo they differ ≫."""
+    model = shipped("inpaint-kglm", version)
+    clean = noisy(150, 170, colour=True, sigma=0.0)
+    miss = holes(150, 170)
+    request = INPAINT.prepare(clean, None, INPAINT.options(), {"mask": miss}, SolverOverride(tol=1e-6))
+    empty = [t for t in tiles(150, 170, 24, model.solve_reach) if miss[0][t.window].all()]
+    assert empty or version == 3  # version 3's halo (37) takes every window past the hole
+    whole = solve_batch(INPAINT, model, [request])[0]
+    cut = solve_tiled(INPAINT, model, request, 24)
+    bare = solve_tiled(INPAINT, model, request, 24, halo=0)
+    assert np.abs(cut.output - whole.output).max() < 1e-3
+    assert np.abs(bare.output - whole.output).max() > 3e-2
+    psnr = [-10 * np.log10(((r.output.clip(0, 1) - clean) ** 2).mean()) for r in (whole, cut)]
+    assert abs(psnr[1] - psnr[0]) < 1e-3
+    assert cut.converged and cut.finite
+    np.testing.assert_array_equal(cut.output[:, ~miss[0]], clean[:, ~miss[0]])  # known pixels kept
+
+
+def test_the_inpainting_tile_s_request_carries_the_whole_image_s_observed_means() -> None:
+    image = noisy(40, 50, colour=True, seed=6)
+    miss = holes(40, 50)
+    request = INPAINT.prepare(image, None, INPAINT.options(), {"mask": miss})
+    whole = INPAINT.whole_image(shipped("inpaint-kglm", 1), request)
+    expected = [image[k][~miss[0]].astype(np.float64).mean() for k in range(3)]
+    np.testing.assert_allclose(whole.inputs["level"], expected, rtol=1e-6)
+    tile = INPAINT.cut(whole, slice(10, 30), slice(10, 40))  # inside the hole: nothing observed
+    assert tile.inputs["missing"].all() and tile.inputs["level"] is whole.inputs["level"]
+    solved = solve_batch(INPAINT, shipped("inpaint-kglm", 1), [tile])[0]
+    # no observed pixel within the mean's reach: the whole image's observed means
+    np.testing.assert_allclose(
+        solved.output[:, 8:12, 8:22],
+        np.broadcast_to(whole.inputs["level"][:, None, None], (3, 4, 14)),
+        rtol=1e-5,
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -78,11 +79,25 @@ class Inpaint(Task):
     def batch_key(self, request: Request) -> tuple:
         return (request.solver,)
 
+    def tile_halo(self, predictor: Inpainter) -> int:
+        """The model's ``solve_reach`` (``kdeq.inpaint``)."""
+        return predictor.solve_reach
+
+    def whole_image(self, predictor: Inpainter, request: Request) -> Request:
+        """The observed pixels' channel means (``level``: the mean where no observed pixel is near, and
+        what the network centres on) fixed from the whole image."""
+        observed = request.inputs["missing"].reshape(request.image.shape[-2:]) == 0
+        # numpy accumulates in float64 without a float64 copy of the image
+        level = (request.image * observed).sum(axis=(1, 2), dtype=np.float64) / observed.sum()
+        return replace(request, inputs={**request.inputs, "level": level.astype(np.float32)})
+
     def arguments(
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
     ) -> tuple[tuple, dict[str, Any]]:
         missing, _ = pad_images([torch.from_numpy(r.inputs["missing"]) for r in requests])
-        extra = {} if sizes is None else {"sizes": sizes}
+        extra: dict = {} if sizes is None else {"sizes": sizes}
+        if "level" in requests[0].inputs:  # tiles of one image (kdeq.tiling), never batched with others
+            extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
         return (images, missing), {"solver": requests[0].solver, **extra}
 
     def warmup(self, size: int) -> Request:
