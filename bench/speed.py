@@ -469,7 +469,8 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
             f"{tiled:.1f} | {tiled / untiled:.2f} | {psnr[0]:.3f} | {psnr[1] - psnr[0]:+.4f} | "
             f"{np.abs(cut.output - whole.output).max():.1e} |"
         )
-    print(f"\nThrough `kdeq {task.name} IMG -o OUT {' '.join(cli)}` (reading and writing the PNGs included),")
+    shown = " ".join(["kdeq", task.name, "IMG", "-o", "OUT", *cli])
+    print(f"\nThrough `{shown}` (reading and writing the PNGs included),")
     print("a fresh process per row; peak resident memory of the whole process:\n")
     print("| image | tiles | peak RSS (MiB) | s | s per MP |")
     print("|---|---|---|---|---|")
