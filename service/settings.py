@@ -73,9 +73,8 @@ class Settings(BaseModel):
         4 * 2**20,
         ge=64,
         le=2**27,
-        description="largest image a model that does not solve in tiles (every task but denoise and inpaint) "
-        "takes "
-        "(413 above): its solve's memory grows with the image",
+        description="largest image a model that does not solve in tiles (every task but denoise and "
+        "inpaint) takes (413 above): its solve's memory grows with the image",
     )
     tile_size: int = Field(
         TILE_SIZE,
