@@ -76,17 +76,30 @@ class Inpainter(Predictor):
         level = None if level is None else level.to(x.device, x.dtype)
         y = x * observed
         lam = self.lam(torch.zeros(x.shape[0], device=self.device))
-        if level is not None and self.config.mean == "normalized_convolution":
-            mean = normalized_convolution(y, observed, self.mean_taps, level)
-        else:
-            mean = self.mean(y, observed, sizes)
-        pilot_image = None
-        if self.config.architecture.net is not None:
-            mean = pilot_image = self._pilot(y, observed, mean, sizes, level)
+        mean = self.prior_mean(y, observed, sizes, level)
+        pilot_image = mean if self.config.architecture.net is not None else None
         out = self.conv_layer(Gaussian(), lam)(
             y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
         )
         return Prediction(torch.where(observed > 0, x, out.eta), out.stats, lam, pilot=pilot_image)
+
+    def prior_mean(
+        self,
+        y: torch.Tensor,
+        observed: torch.Tensor,
+        sizes: Sizes | None = None,
+        level: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The prior mean ``m`` ``(B, c, H, W)`` of the observed values ``y = M⊙x`` and the mask ``M``
+        ``(B, 1, H, W)``: the checkpoint's mean, then its network's pilot on it where it has one
+        (``sizes`` and ``level`` as in ``forward``)."""
+        if level is not None and self.config.mean == "normalized_convolution":
+            mean = normalized_convolution(y, observed, self.mean_taps, level)
+        else:
+            mean = self.mean(y, observed, sizes)
+        if self.config.architecture.net is not None:
+            mean = self._pilot(y, observed, mean, sizes, level)
+        return mean
 
     def pilot_only(self, images: torch.Tensor, missing: torch.Tensor) -> torch.Tensor:
         """The network's pilot ``p`` ``(B, c, H, W)`` without the solve (the trainer's pilot phase);

@@ -77,6 +77,30 @@ class Segmenter(Predictor):
         #: start the solve from the linearised equilibrium (module docstring) when there is no mean
         self.warm_start = True
 
+    @property
+    def reach(self) -> int:
+        """``ρ``: the equation of a pixel, ``z = logistic((K/λ)(t − z) + m)`` there, reads the image within
+        ``ρ`` pixels of it, given the threshold ``τ``: the labels ``t`` are the pre-smoothed luminance's
+        (its radius), read by ``K``'s row (the kernel's radius) and by the network's mean (its
+        receptive field on the 2×2-unshuffled image, ``2·depth + 1`` pixels), which reads the
+        luminance as well."""
+        net = self.config.architecture.net
+        smoothing = self.presmooth_taps.shape[0] // 2
+        return smoothing + max(self.tensors["w1"].shape[-1] // 2, 0 if net is None else 2 * net.depth + 1)
+
+    @property
+    def solve_reach(self) -> int:
+        """The halo a tile needs for its core's *solution* to match the whole image's to the solver's
+        tolerance: ``reach`` plus four kernel radii, as for the stationary denoiser (``kdeq.denoise``):
+        the equilibrium couples pixels through the kernel beyond the reach (``tests/test_tiling.py``
+        measures it)."""
+        return self.reach + 4 * (self.tensors["w1"].shape[-1] // 2)
+
+    def otsu(self, images: torch.Tensor) -> torch.Tensor:
+        """Otsu's threshold ``τ`` ``(B,)`` of ``images`` ``(B, c, H, W)``: the one ``forward`` uses
+        when none is given."""
+        return self._labels(images, None)[1]
+
     def forward(
         self, images: torch.Tensor, threshold: float | None = None, solver: SolverOverride | None = None
     ) -> Prediction:

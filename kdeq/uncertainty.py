@@ -493,16 +493,24 @@ def _denoise(
 
 @register_posterior("inpaint")
 def _inpaint(
-    predictor: Predictor, images: torch.Tensor, missing: torch.Tensor, solver: object = None
+    predictor: Predictor,
+    images: torch.Tensor,
+    missing: torch.Tensor,
+    solver: object = None,
+    level: torch.Tensor | None = None,
 ) -> GaussianPosterior:
     """``A = M`` (the observed pixels); ``K`` the bank; fixed ``λ``; ``s²`` by maximum likelihood
-    around the model's mean (its network's pilot where it has one)."""
-    x, observed = predictor._observed(images, missing, None)
+    around the model's mean (its network's pilot where it has one), from the image's own observed
+    pixels: a tile (``level`` given, ``kdeq.tiling``) with none has no estimate, and is refused."""
+    x, observed = predictor._observed(images, missing, None, empty=level is not None)
+    if bool((observed.sum(dim=(1, 2, 3)) == 0).any()):
+        raise ValueError(
+            "a tile of the image has no observed pixel, so its uncertainty cannot be estimated from it: "
+            "ask without uncertainty, or for a smaller image, solved whole"
+        )
     y = x * observed
     lam = predictor.lam(torch.zeros(x.shape[0], device=x.device)).double()
-    mean = predictor.mean(y, observed)
-    if predictor.config.architecture.net is not None:
-        mean = predictor._pilot(y, observed, mean, None)
+    mean = predictor.prior_mean(y, observed, None, None if level is None else level.to(x))
     op = Restriction(observed.double())
     centred = op.forward((x - (0.0 if mean is None else mean)).double())
     kernel, stationary = _conv_kernel(predictor, x.shape[0])

@@ -334,12 +334,12 @@ def test_pixel_limit_is_checked_from_the_header() -> None:
 
 def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None:
     """Tiles of 64 (``KDEQ_TILE_SIZE``): a 100×130 colour photo is cut into 6 and answered as
-    ``kdeq.tiling`` answers it in process, to a grey level, and so is the inpainter's; the segmenter,
-    which solves whole images only, takes at most ``KDEQ_MAX_UNTILED_PIXELS``, while the denoiser and
-    the inpainter take up to ``KDEQ_MAX_PIXELS``."""
+    ``kdeq.tiling`` answers it in process, to a grey level, and so is the inpainter's and the
+    segmenter's; the photon denoiser, which solves whole images only, takes at most
+    ``KDEQ_MAX_UNTILED_PIXELS``, while the others take up to ``KDEQ_MAX_PIXELS``."""
     clean = np.stack([smooth_image(100, 130, seed=k) for k in range(3)], axis=-1)
     image = to_uint8(noisy(clean, 20.0))
-    models = ("denoise-kglm:3", "inpaint-kglm:1", "segment-kglm")
+    models = ("denoise-kglm:3", "inpaint-kglm:1", "segment-kglm:1", "denoise-poisson-kglm")
     settings = {"tile_size": 64, "max_untiled_pixels": 64 * 64, "models": models}
     tiles: list[int] = []
     real = tiling.solve_batch
@@ -369,9 +369,18 @@ def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None
         expected = solve_tiled(task, load_predictor(MODELS / "inpaint-kglm" / "1"), request, 64)
         served = np.asarray(decode(r.content)).astype(int)
         assert np.abs(served - to_uint8(expected.output.transpose(1, 2, 0)).astype(int)).max() <= 1
-        r = c.post("/segment", files={"image": encode(image)})
+        tiles.clear()
+        r = c.post("/segment", files={"image": encode(image)}, data={"output": "probability"})
+        assert r.status_code == 200, r.text
+        assert sum(tiles) == 6
+        task = TASKS["segment"]
+        request = task.prepare(pixels, None, task.options(output="probability"), {})
+        expected = solve_tiled(task, load_predictor(MODELS / "segment-kglm" / "1"), request, 64)
+        served = np.asarray(decode(r.content)).astype(int)
+        assert np.abs(served - to_uint8(expected.output[0]).astype(int)).max() <= 1
+        r = c.post("/denoise-poisson", files={"image": encode(image)})
         assert "4096" in assert_error(r, 413, "too_many_pixels")["detail"]
-        assert c.post("/segment", files={"image": encode(image[:64, :64])}).status_code == 200
+        assert c.post("/denoise-poisson", files={"image": encode(image[:64, :64])}).status_code == 200
 
 
 def test_a_tiled_solve_past_its_deadline_stops_between_tiles() -> None:

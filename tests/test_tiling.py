@@ -9,8 +9,9 @@ from kdeq import backends, tiling
 from kdeq.cli import main
 from kdeq.cli import test_image as piecewise_image
 from kdeq.denoise import Denoiser
-from kdeq.families import Gaussian
+from kdeq.families import Bernoulli, Gaussian
 from kdeq.filters import normalized_convolution
+from kdeq.guidenet import segment_mean
 from kdeq.imageio import read_image, write_png
 from kdeq.predictor import SolverOverride
 from kdeq.repository import default_models_dir, find_model, load_predictor
@@ -209,10 +210,10 @@ def test_batched_tiles_equal_single_tiles_and_progress_counts_them(default) -> N
 
 
 def test_tasks_without_a_tiled_solve_refuse_it() -> None:
-    task = TASKS["segment"]
+    task = TASKS["denoise-poisson"]
     request = Request(np.zeros((1, 64, 64), np.float32), task.options())
     with pytest.raises(ValueError, match="whole images only"):
-        solve_tiled(task, shipped("segment-kglm"), request, 32)
+        solve_tiled(task, shipped("denoise-poisson-kglm"), request, 32)
 
 
 def test_the_cli_tiles_a_large_image_and_writes_what_the_untiled_solve_writes(
@@ -266,8 +267,8 @@ def test_only_images_larger_than_a_tile_of_tasks_that_tile_are_cut(default) -> N
     request = Request(np.zeros((1, 32, 32), np.float32), DENOISE.options())
     assert not tiled(DENOISE, default, request, 32) and tiled(DENOISE, default, request, 30)
     assert not tiled(DENOISE, default, request, 0)
-    segment = TASKS["segment"]
-    assert not tiled(segment, shipped("segment-kglm"), Request(request.image, segment.options()), 30)
+    photon = TASKS["denoise-poisson"]
+    assert not tiled(photon, shipped("denoise-poisson-kglm"), Request(request.image, photon.options()), 30)
 
 
 # -------------------------------------------------------------------------------------- inpainting
@@ -359,3 +360,64 @@ def test_the_inpainting_tile_s_request_carries_the_whole_image_s_observed_means(
         np.broadcast_to(whole.inputs["level"][:, None, None], (3, 4, 14)),
         rtol=1e-5,
     )
+
+
+# ------------------------------------------------------------------------------------- segmentation
+
+SEGMENT = TASKS["segment"]
+
+
+def segment_equation(model, y: torch.Tensor, at) -> torch.Tensor:
+    """What pixel ``at``'s equation ``z = logistic(W1 z + W2 t + m)`` reads of ``y`` ``(1, c, H, W)`` at
+    the threshold 0.5: ``W1`` applied to a fixed probe, ``W2`` to the labels ``t``, and the network's
+    mean ``m`` where there is one."""
+    with torch.inference_mode():
+        grey, tau, labels = model._labels(y, 0.5)
+        layer = model.conv_layer(Bernoulli(), model.lam(torch.zeros(1)))
+        probe = torch.linspace(-1, 1, labels.numel()).reshape(labels.shape)
+        parts = [layer.w1(probe), layer.w2(labels)]
+        if model.config.architecture.net is not None:
+            parts.append(segment_mean(grey, tau, labels, model.tensors, model.config.architecture.net))
+        return torch.cat([p[0, :, at[0], at[1]] for p in parts])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_segmented_pixel_s_equation_reads_nothing_beyond_the_reach(version) -> None:
+    """Perturb one pixel at ∞-distance ``ρ + 1`` or more from ``x``: ``x``'s equation is bit for bit
+    unchanged; within ``ρ`` it changes. The perturbation is far out of range, so that it flips the
+    labels around it however the smoothing weighs it."""
+    model = shipped("segment-kglm", version)
+    rho = model.reach
+    y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=True, sigma=60.0))[None]
+    at = (rho + 4, 3)
+    with backends.force_backend("prepadded"):
+        base = segment_equation(model, y, at)
+        for distance, unchanged in [(rho + 1, True), (rho + 7, True), (1, False)]:
+            for dr, dc in ((0, distance), (-distance, 0)):
+                moved = y.clone()
+                moved[..., at[0] + dr, at[1] + dc] += 100.0
+                assert torch.equal(segment_equation(model, moved, at), base) == unchanged, (dr, dc)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_segmenters_tiled_match_the_untiled_solve_at_the_whole_image_s_threshold(version) -> None:
+    """The tiles take the whole image's Otsu threshold; at the default halo (``solve_reach``) their
+    probabilities match the whole image's to 10⁻⁴ (tol 10⁻⁶) and no mask pixel flips; with no halo
+    hundreds do."""
+    model = shipped("segment-kglm", version)
+    image = np.clip(
+        noisy(150, 170, colour=True, sigma=0.0)
+        + 0.3 * np.random.default_rng(0).standard_normal((3, 150, 170)),
+        0,
+        1,
+    ).astype(np.float32)
+    options = SEGMENT.options(output="probability")
+    request = SEGMENT.prepare(image, None, options, {}, SolverOverride(tol=1e-6))
+    whole = solve_batch(SEGMENT, model, [request])[0]
+    cut = solve_tiled(SEGMENT, model, request, 40)
+    bare = solve_tiled(SEGMENT, model, request, 40, halo=0)
+    assert cut.fields["threshold"] == whole.fields["threshold"]
+    assert np.abs(cut.output - whole.output).max() < 1e-4
+    assert ((cut.output > 0.5) != (whole.output > 0.5)).sum() == 0
+    assert ((bare.output > 0.5) != (whole.output > 0.5)).sum() > 100
+    assert cut.converged and cut.finite

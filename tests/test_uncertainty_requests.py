@@ -16,6 +16,7 @@ from PIL import Image
 from kdeq import scaledpng, tiling
 from kdeq.cli import main
 from kdeq.psf import parse_psf
+from kdeq.repository import default_models_dir, find_model, load_predictor
 from kdeq.tasks import TASKS, Request, solve_batch
 from kdeq.uncertainty import posterior, unsupported
 from tests.test_uncertainty import latest, reference_std, scene
@@ -121,6 +122,36 @@ def test_a_tiled_requests_map_is_its_tiles_put_together() -> None:
     assert tiled.uncertainty.probes == whole.probes
     rel = np.abs(tiled.uncertainty.std - whole.std) / whole.std
     assert rel.mean() < 0.03, rel.mean()
+
+
+@pytest.mark.parametrize(("name", "version", "side"), [("inpaint", 3, 104), ("segment", 1, 72)])
+def test_the_inpainters_and_segmenters_tiled_maps_are_close_to_the_whole_image_s(name, version, side) -> None:
+    """As the denoiser's: each tile's map within its window (an inpainter's prior amplitude from its
+    own observed pixels), close to the whole image's on average; a third of the side per tile with the
+    model's reach as its halo, so that no window is the whole image."""
+    task = TASKS[name]
+    predictor = load_predictor(find_model(default_models_dir(), f"{name}-kglm", version))
+    inputs = {"missing": np.random.default_rng(1).random((1, side, side)) < 0.4} if name == "inpaint" else {}
+    request = asking(Request(image(side=side), task.options(), inputs))
+    whole = solve_batch(task, predictor, [request])[0].uncertainty
+    size = side // 3 // 2 * 2
+    assert size + 2 * predictor.reach < side
+    tiled = tiling.solve_tiled(task, predictor, request, size, halo=predictor.reach)
+    assert tiled.uncertainty.std.shape == (side, side) and np.isfinite(tiled.uncertainty.std).all()
+    rel = np.abs(tiled.uncertainty.std - whole.std) / whole.std
+    assert 0 < rel.mean() < 0.1, rel.mean()
+
+
+def test_an_inpainting_tile_with_nothing_observed_refuses_a_map() -> None:
+    """The prior amplitude is estimated from the observed pixels: a tile inside a hole has none, and
+    says so rather than claim any certainty."""
+    task, predictor = TASKS["inpaint"], latest("inpaint-kglm")
+    missing = np.zeros((1, 64, 64), bool)
+    missing[:, :, 8:] = True  # every window but the first column's is all missing
+    request = asking(Request(image(side=64), task.options(), {"missing": missing}))
+    with pytest.raises(ValueError, match="no observed pixel"):
+        tiling.solve_tiled(task, predictor, request, 16, halo=0)
+    assert solve_batch(task, predictor, [request])[0].uncertainty is not None  # whole, it has one
 
 
 def test_the_segmenters_map_through_a_request_and_the_cli(tmp_path: Path, capsys) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
@@ -57,6 +58,18 @@ class Segment(Task):
 
     def output_alpha(self, request: Request, alpha: object, files: Sequence[str]) -> None:
         return None
+
+    def tile_halo(self, predictor: Segmenter) -> int:
+        """The model's ``solve_reach`` (``kdeq.segment``)."""
+        return predictor.solve_reach
+
+    def whole_image(self, predictor: Segmenter, request: Request) -> Request:
+        """Otsu's threshold of the whole image, where none is given, fixed for its tiles."""
+        if request.options.threshold is not None:
+            return request
+        with torch.inference_mode():
+            tau = float(predictor.otsu(torch.from_numpy(request.image)[None]))
+        return replace(request, options=request.options.model_copy(update={"threshold": tau}))
 
     def arguments(
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
