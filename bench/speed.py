@@ -27,10 +27,11 @@ Sections (all by default; each prints a Markdown table):
   measured in this process first), beside one process per image for the first four and a process
   that only imports torch; kdeq's bytecode compiled first, as an installed package has it.
 
-- ``tiling``: the default denoiser (σ = 25 noise) and the default inpainter (half the pixels and a
-  64² block per 256² missing) on Kodak24 photo mosaics from 1.6 to 25 megapixels: tiled
-  (``kdeq.tiling``) against untiled in process (time, PSNR, largest difference) where both fit, then
-  ``kdeq denoise`` on each mosaic's PNG in a fresh process: its peak resident memory and time.
+- ``tiling``: the default denoiser (σ = 25 noise), inpainter (half the pixels and a 64² block per
+  256² missing) and segmenter (the Otsu mask, 5 % flipped, σ = 50 noise) on Kodak24 photo mosaics
+  from 1.6 to 25 megapixels: tiled (``kdeq.tiling``) against untiled in process (time, PSNR or IoU,
+  largest difference) where both fit, then ``kdeq TASK`` on each mosaic's PNG in a fresh process: its
+  peak resident memory and time.
 
 GPU figures come from ``bench/gpu.sh`` (``bench/gpu.py``), which runs the CUDA suite first.
 
@@ -419,28 +420,38 @@ def holes(shape: tuple[int, int], gen: torch.Generator) -> np.ndarray:
 
 
 def section_tiling(args: argparse.Namespace) -> None:
-    """The default denoiser's tiles (σ = 25 noise, given) and the default inpainter's (``holes``)."""
+    """The default denoiser's tiles (σ = 25 noise, given), the default inpainter's (``holes``) and the
+    default segmenter's (the mosaic's Otsu mask, 5 % of it flipped, σ = 50 noise)."""
     from kdeq.tasks import TASKS
+    from kdeq.train.data import binary_target
 
     gen = torch.Generator().manual_seed(args.seed)
 
-    def noise(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor]]:
+    def noise(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor], torch.Tensor]:
         noisy = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1)
-        return noisy.numpy(), {}, {"image": noisy}
+        return noisy.numpy(), {}, {"image": noisy}, clean
 
-    def mask(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor]]:
+    def mask(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor], torch.Tensor]:
         miss = holes(tuple(clean.shape[-2:]), gen)
-        return clean.numpy(), {"mask": miss}, {"image": clean, "mask": torch.from_numpy(miss).float()}
+        return clean.numpy(), {"mask": miss}, {"image": clean, "mask": torch.from_numpy(miss).float()}, clean
+
+    def scan(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor], torch.Tensor]:
+        target = binary_target(clean)
+        flipped = torch.where(torch.rand(target.shape, generator=gen) < 0.05, 1 - target, target)
+        noisy = (flipped + 50 / 255 * torch.randn(target.shape, generator=gen)).clamp(0, 1)
+        return noisy.numpy(), {}, {"image": noisy}, target
 
     _tiling_rows(TASKS["denoise"], noise, "σ = 25 noise (given)", {"sigma": SIGMA}, ["--sigma", "25"])
     _tiling_rows(TASKS["inpaint"], mask, "half the pixels and a 64² block per 256² missing", {}, [])
+    scanned = "their Otsu masks, 5 % flipped, σ = 50 noise"
+    _tiling_rows(TASKS["segment"], scan, scanned, {"output": "probability"}, ["--output", "probability"])
 
 
 def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> None:
     """``task``'s default model with ``options`` (``cli`` on the command line) on Kodak24 mosaics
     corrupted by ``corrupt(clean)`` → (the request's image, its files, the images the CLI reads by
-    name): tiled against untiled in process, then through ``kdeq TASK`` in a fresh process per row
-    (peak memory and time)."""
+    name, the target its score is measured against): tiled against untiled in process, then through
+    ``kdeq TASK`` in a fresh process per row (peak memory and time)."""
     import tempfile
 
     from kdeq.imageio import write_png
@@ -450,12 +461,13 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
     model = load_predictor(find_model(default_models_dir(), f"{task.name}-kglm"), "cpu")
     halo = task.tile_halo(model)
     print(f"\n### Tiles: {model.name}, Kodak24 mosaics, {what}, tiles of {TILE_SIZE}, halo {halo}\n")
-    print("In process, the same input tiled and untiled (seconds, PSNR against the clean mosaic):\n")
-    print("| image | untiled s | tiled s | tiled ÷ untiled | untiled PSNR | tiled − untiled (dB) | max |Δ| |")
+    score = task.score_label
+    print(f"In process, the same input tiled and untiled (seconds, {score} against the clean mosaic):\n")
+    print(f"| image | untiled s | tiled s | tiled ÷ untiled | untiled {score} | tiled − untiled | max |Δ| |")
     print("|---|---|---|---|---|---|---|")
     for rows, cols in [(2, 2), (3, 3)]:
         clean = mosaic(rows, cols)
-        image, files, _ = corrupt(clean)
+        image, files, _, target = corrupt(clean)
         request = task.prepare(image, None, task.options(**options), files)
         start = time.perf_counter()
         whole = solve_batch(task, model, [request])[0]
@@ -463,10 +475,13 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
         start = time.perf_counter()
         cut = solve_tiled(task, model, request, TILE_SIZE)
         tiled = time.perf_counter() - start
-        psnr = [-10 * np.log10(((r.output.clip(0, 1) - clean.numpy()) ** 2).mean()) for r in (whole, cut)]
+        scores = [
+            float(task.score(torch.from_numpy(r.output)[None], {"target": target[None]}))
+            for r in (whole, cut)
+        ]
         print(
             f"| {clean.shape[-1]}×{clean.shape[-2]} ({clean[0].numel() / 1e6:.1f} MP) | {untiled:.1f} | "
-            f"{tiled:.1f} | {tiled / untiled:.2f} | {psnr[0]:.3f} | {psnr[1] - psnr[0]:+.4f} | "
+            f"{tiled:.1f} | {tiled / untiled:.2f} | {scores[0]:.4f} | {scores[1] - scores[0]:+.4f} | "
             f"{np.abs(cut.output - whole.output).max():.1e} |"
         )
     shown = " ".join(["kdeq", task.name, "IMG", "-o", "OUT", *cli])
@@ -477,7 +492,7 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
     with tempfile.TemporaryDirectory() as tmp:
         for rows, cols in [(2, 2), (3, 3), (4, 4), (6, 6), (8, 8)]:
             clean = mosaic(rows, cols)
-            _, _, pictures = corrupt(clean)
+            _, _, pictures, _ = corrupt(clean)
             paths = {name: Path(tmp) / f"{name}.png" for name in pictures}
             for name, picture in pictures.items():
                 write_png(paths[name], picture)
