@@ -108,8 +108,7 @@ class Inpainter(Predictor):
         if self.config.architecture.net is None:
             raise ValueError(f"{self.name} has no network")
         x, observed = self._observed(images, missing, None)
-        y = x * observed
-        return self._pilot(y, observed, self.mean(y, observed), None)
+        return self.prior_mean(x * observed, observed)
 
     def _observed(
         self, images: torch.Tensor, missing: torch.Tensor, sizes: Sizes | None, empty: bool = False
