@@ -419,6 +419,11 @@ def holes(shape: tuple[int, int], gen: torch.Generator) -> np.ndarray:
     return miss.numpy()
 
 
+#: a benchmark input: the request's image and files, the images ``kdeq TASK`` reads (by option name),
+#: and the batch that the task's score reads (``Task.score``: the target, the mask)
+Corrupted = tuple[np.ndarray, dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
 def section_tiling(args: argparse.Namespace) -> None:
     """The default denoiser's tiles (σ = 25 noise, given), the default inpainter's (``holes``) and the
     default segmenter's (the mosaic's Otsu mask, 5 % of it flipped, σ = 50 noise)."""
@@ -427,19 +432,25 @@ def section_tiling(args: argparse.Namespace) -> None:
 
     gen = torch.Generator().manual_seed(args.seed)
 
-    def noise(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor], torch.Tensor]:
+    def noise(clean: torch.Tensor) -> Corrupted:
         noisy = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1)
-        return noisy.numpy(), {}, {"image": noisy}, clean
+        return noisy.numpy(), {}, {"image": noisy}, {"target": clean[None]}
 
-    def mask(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor], torch.Tensor]:
+    def mask(clean: torch.Tensor) -> Corrupted:
         miss = holes(tuple(clean.shape[-2:]), gen)
-        return clean.numpy(), {"mask": miss}, {"image": clean, "mask": torch.from_numpy(miss).float()}, clean
+        pictures = {"image": clean, "mask": torch.from_numpy(miss).float()}
+        return (
+            clean.numpy(),
+            {"mask": miss},
+            pictures,
+            {"target": clean[None], "missing": torch.from_numpy(miss)[None]},
+        )
 
-    def scan(clean: torch.Tensor) -> tuple[np.ndarray, dict, dict[str, torch.Tensor], torch.Tensor]:
+    def scan(clean: torch.Tensor) -> Corrupted:
         target = binary_target(clean)
         flipped = torch.where(torch.rand(target.shape, generator=gen) < 0.05, 1 - target, target)
         noisy = (flipped + 50 / 255 * torch.randn(target.shape, generator=gen)).clamp(0, 1)
-        return noisy.numpy(), {}, {"image": noisy}, target
+        return noisy.numpy(), {}, {"image": noisy}, {"target": target[None]}
 
     _tiling_rows(TASKS["denoise"], noise, "σ = 25 noise (given)", {"sigma": SIGMA}, ["--sigma", "25"])
     _tiling_rows(TASKS["inpaint"], mask, "half the pixels and a 64² block per 256² missing", {}, [])
@@ -449,9 +460,8 @@ def section_tiling(args: argparse.Namespace) -> None:
 
 def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> None:
     """``task``'s default model with ``options`` (``cli`` on the command line) on Kodak24 mosaics
-    corrupted by ``corrupt(clean)`` → (the request's image, its files, the images the CLI reads by
-    name, the target its score is measured against): tiled against untiled in process, then through
-    ``kdeq TASK`` in a fresh process per row (peak memory and time)."""
+    corrupted by ``corrupt(clean)`` (``Corrupted``): tiled against untiled in process, each scored
+    by ``task.score``, then through ``kdeq TASK`` in a fresh process per row (peak memory and time)."""
     import tempfile
 
     from kdeq.imageio import write_png
@@ -462,12 +472,12 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
     halo = task.tile_halo(model)
     print(f"\n### Tiles: {model.name}, Kodak24 mosaics, {what}, tiles of {TILE_SIZE}, halo {halo}\n")
     score = task.score_label
-    print(f"In process, the same input tiled and untiled (seconds, {score} against the clean mosaic):\n")
+    print(f"In process, the same input tiled and untiled (seconds; {score}, the task's own score):\n")
     print(f"| image | untiled s | tiled s | tiled ÷ untiled | untiled {score} | tiled − untiled | max |Δ| |")
     print("|---|---|---|---|---|---|---|")
     for rows, cols in [(2, 2), (3, 3)]:
         clean = mosaic(rows, cols)
-        image, files, _, target = corrupt(clean)
+        image, files, _, batch = corrupt(clean)
         request = task.prepare(image, None, task.options(**options), files)
         start = time.perf_counter()
         whole = solve_batch(task, model, [request])[0]
@@ -475,10 +485,7 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
         start = time.perf_counter()
         cut = solve_tiled(task, model, request, TILE_SIZE)
         tiled = time.perf_counter() - start
-        scores = [
-            float(task.score(torch.from_numpy(r.output)[None], {"target": target[None]}))
-            for r in (whole, cut)
-        ]
+        scores = [float(task.score(torch.from_numpy(r.output)[None], batch)) for r in (whole, cut)]
         print(
             f"| {clean.shape[-1]}×{clean.shape[-2]} ({clean[0].numel() / 1e6:.1f} MP) | {untiled:.1f} | "
             f"{tiled:.1f} | {tiled / untiled:.2f} | {scores[0]:.4f} | {scores[1] - scores[0]:+.4f} | "
