@@ -39,15 +39,33 @@ def observed_mean(y: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
     return total / observed.sum(dim=(2, 3), keepdim=True).clamp(min=1)
 
 
+#: on a CPU, the most pixels per channel (``H·W``) ``separable_blur`` convolves in one call: oneDNN pads
+#: a one-channel image to 16 channels for these convolutions, so a 25-megapixel scan's smoothing took
+#: 1.6 GiB at once; bands of rows bound that, with the same output bit for bit
+BLUR_BAND_PIXELS = 1 << 20
+
+
 def separable_blur(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(B, c, H, W)`` convolved with ``taps ⊗ taps`` per channel, mirrored borders."""
+    """``x`` ``(B, c, H, W)`` convolved with ``taps ⊗ taps`` per channel, mirrored borders; on a CPU in
+    bands of rows of at most ``BLUR_BAND_PIXELS`` pixels each (each band reads its neighbours' rows)."""
     r = taps.shape[0] // 2
     if r == 0:
         return x * taps[0]
-    c = x.shape[1]
-    y = mirror_pad(x, r)
-    y = F.conv2d(y, taps.reshape(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
-    return F.conv2d(y, taps.reshape(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
+    c, (height, width) = x.shape[1], x.shape[-2:]
+    padded = mirror_pad(x, r)
+
+    def blur(rows: torch.Tensor) -> torch.Tensor:
+        y = F.conv2d(rows, taps.reshape(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
+        return F.conv2d(y, taps.reshape(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
+
+    band = max(1, BLUR_BAND_PIXELS // width)
+    if x.device.type != "cpu" or band >= height:
+        return blur(padded)
+    out = x.new_empty(x.shape)
+    for start in range(0, height, band):
+        stop = min(start + band, height)
+        out[..., start:stop, :] = blur(padded[..., start : stop + 2 * r, :])
+    return out
 
 
 def normalized_convolution(

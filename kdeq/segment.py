@@ -44,16 +44,23 @@ def luminance(x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=-3, keepdim=True)
 
 
+#: pixels binned at a time by ``otsu_threshold`` (its float64 and int64 temporaries are this many
+#: elements, not an image's: a 25-megapixel scan's took ~1 GiB)
+OTSU_CHUNK = 1 << 22
+
+
 def otsu_threshold(x: torch.Tensor, bins: int = 256) -> torch.Tensor:
     """Otsu's threshold per image ``(B,)`` for ``x`` ``(B, 1, H, W)``: the bin edge between the
-    image's minimum and maximum that maximises the between-class variance ``ω₀ω₁(μ₀ − μ₁)²``."""
-    flat = x.reshape(x.shape[0], -1).to(torch.float64)
-    lo, hi = flat.min(dim=1).values, flat.max(dim=1).values
+    image's minimum and maximum that maximises the between-class variance ``ω₀ω₁(μ₀ − μ₁)²``. The
+    histogram is counted ``OTSU_CHUNK`` pixels at a time, each bin computed in float64."""
+    flat = x.reshape(x.shape[0], -1)
+    lo, hi = flat.min(dim=1).values.to(torch.float64), flat.max(dim=1).values.to(torch.float64)
     width = (hi - lo).clamp(min=1e-12) / bins
-    idx = ((flat - lo[:, None]) / width[:, None]).floor().clamp(0, bins - 1).to(torch.int64)
-    hist = torch.zeros(x.shape[0], bins, dtype=torch.float64, device=x.device).scatter_add_(
-        1, idx, torch.ones_like(flat)
-    )
+    hist = torch.zeros(x.shape[0], bins, dtype=torch.float64, device=x.device)
+    for start in range(0, flat.shape[1], OTSU_CHUNK):
+        part = flat[:, start : start + OTSU_CHUNK].to(torch.float64)
+        idx = ((part - lo[:, None]) / width[:, None]).floor().clamp(0, bins - 1).to(torch.int64)
+        hist += torch.stack([torch.bincount(row, minlength=bins) for row in idx]).to(torch.float64)
     centres = lo[:, None] + (torch.arange(bins, dtype=torch.float64, device=x.device) + 0.5) * width[:, None]
     w0 = hist.cumsum(dim=1)
     s0 = (hist * centres).cumsum(dim=1)
@@ -99,7 +106,7 @@ class Segmenter(Predictor):
     def otsu(self, images: torch.Tensor) -> torch.Tensor:
         """Otsu's threshold ``τ`` ``(B,)`` of ``images`` ``(B, c, H, W)``: the one ``forward`` uses
         when none is given."""
-        return self._labels(images, None)[1]
+        return otsu_threshold(separable_blur(luminance(self.images(images)), self.presmooth_taps))
 
     def forward(
         self, images: torch.Tensor, threshold: float | None = None, solver: SolverOverride | None = None

@@ -139,6 +139,40 @@ def test_otsu_threshold_matches_brute_force_between_class_variance() -> None:
     assert 0.35 < tau < 0.6
 
 
+def test_otsu_thresholds_counted_in_chunks_are_the_whole_histogram_s(monkeypatch) -> None:
+    """The histogram counted a few pixels at a time (chunks that split images and rows) gives each
+    image's threshold bit for bit."""
+    import kdeq.segment
+
+    x = torch.rand(3, 1, 37, 53, generator=torch.Generator().manual_seed(4)) ** 3
+    whole = otsu_threshold(x)
+    monkeypatch.setattr(kdeq.segment, "OTSU_CHUNK", 7)
+    assert torch.equal(otsu_threshold(x), whole)
+    assert torch.equal(otsu_threshold(x[1:2]), whole[1:2])
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 61, 47), (2, 3, 40, 33), (1, 1, 5, 9)])
+def test_the_blur_in_bands_of_rows_is_the_whole_image_s_against_a_dense_sum(shape, monkeypatch) -> None:
+    """``separable_blur`` in bands of a few rows (each reading its neighbours' rows) equals its one
+    call bit for bit, and both equal ``Σ g[i]g[j] x(mirrored)`` summed directly in float64."""
+    import kdeq.filters
+
+    x = torch.rand(*shape, generator=torch.Generator().manual_seed(5))
+    taps = gaussian_taps(1.5)
+    whole = separable_blur(x, taps)
+    monkeypatch.setattr(kdeq.filters, "BLUR_BAND_PIXELS", 2 * shape[-1])
+    assert torch.equal(separable_blur(x, taps), whole)
+    r = taps.shape[0] // 2
+    padded = kdeq.filters.mirror_pad(x.double(), r)
+    g = taps.double()
+    dense = sum(
+        g[i] * g[j] * padded[..., i : i + shape[-2], j : j + shape[-1]]
+        for i in range(2 * r + 1)
+        for j in range(2 * r + 1)
+    )
+    torch.testing.assert_close(whole.double(), dense, rtol=0, atol=1e-6)
+
+
 def test_defaults_restore_images(tmp_path: Path) -> None:
     clean = piecewise_image(128)
     noisy = clean + 25 / 255 * torch.randn(clean.shape, generator=torch.Generator().manual_seed(0))
