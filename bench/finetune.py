@@ -164,7 +164,8 @@ def main() -> None:
     parser.add_argument("--per-image", action="store_true", help="also each image's scores")
     args = parser.parse_args()
     print(
-        f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
+        f"machine: {platform.machine()} {platform.processor() or ''} "
+        f"({torch.backends.cpu.get_cpu_capability()} kernels), torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; protocol of bench/quality.py (seed = image index)"
         + (f"; σ {'estimated' if args.blind else 'given'}" if args.task == "denoise" else "")
     )

@@ -549,6 +549,9 @@ def main() -> None:
         json.dumps(
             {
                 "machine": platform.platform(),
+                # the kernels torch runs (AVX2, AVX512, …): machines of one name differ in it, and the
+                # ratios to other methods moved with it (docs/BENCHMARKS.md, "another machine")
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "cpus": torch.get_num_threads(),
                 "torch": torch.__version__,
                 "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
