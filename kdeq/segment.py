@@ -106,7 +106,12 @@ class Segmenter(Predictor):
     def otsu(self, images: torch.Tensor) -> torch.Tensor:
         """Otsu's threshold ``τ`` ``(B,)`` of ``images`` ``(B, c, H, W)``: the one ``forward`` uses
         when none is given."""
-        return otsu_threshold(separable_blur(luminance(self.images(images)), self.presmooth_taps))
+        return otsu_threshold(self._smoothed(images)[1])
+
+    def _smoothed(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The luminance ``x`` and its pre-smoothed ``x̄``, each ``(B, 1, H, W)``, of ``images``."""
+        grey = luminance(self.images(images))
+        return grey, separable_blur(grey, self.presmooth_taps)
 
     def forward(
         self, images: torch.Tensor, threshold: float | None = None, solver: SolverOverride | None = None
@@ -142,8 +147,7 @@ class Segmenter(Predictor):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The luminance ``x`` ``(B, 1, H, W)``, the threshold ``τ`` ``(B,)`` and the labels
         ``t = [x̄ > τ]`` ``(B, 1, H, W)`` of the pre-smoothed luminance ``x̄``."""
-        grey = luminance(self.images(images))
-        smooth = separable_blur(grey, self.presmooth_taps)
+        grey, smooth = self._smoothed(images)
         if threshold is None:
             tau = otsu_threshold(smooth)
         else:
