@@ -79,7 +79,7 @@ class Denoiser(Predictor):
         arch = self.config.architecture
         if isinstance(arch, GuidedArchitecture):
             return self.reach
-        return self.reach + 4 * (self.tensors["w1"].shape[-1] // 2)
+        return self.coupled_reach(self.reach)
 
     def forward(
         self,

@@ -46,11 +46,9 @@ class Inpainter(Predictor):
 
     @property
     def solve_reach(self) -> int:
-        """The halo a tile needs for its core's *solution* to match the whole image's to the solver's
-        tolerance: ``reach`` plus four kernel radii, as for the stationary denoiser (``kdeq.denoise``):
-        the observed pixels' equilibrium couples them through ``(K_OO + λI)⁻¹`` beyond the reach
-        (``tests/test_tiling.py`` measures it)."""
-        return self.reach + 4 * (self.tensors["w1"].shape[-1] // 2)
+        """``coupled_reach``: the observed pixels' equilibrium couples them through ``(K_OO + λI)⁻¹``
+        beyond the reach."""
+        return self.coupled_reach(self.reach)
 
     def forward(
         self,
@@ -73,7 +71,6 @@ class Inpainter(Predictor):
         if level is not None and (sizes is not None or level.shape != images.shape[:2]):
             raise ValueError(f"level must be (B, c) = {tuple(images.shape[:2])}, for images of one size")
         x, observed = self._observed(images, missing, sizes, empty=level is not None)
-        level = None if level is None else level.to(x.device, x.dtype)
         y = x * observed
         lam = self.lam(torch.zeros(x.shape[0], device=self.device))
         mean = self.prior_mean(y, observed, sizes, level)
@@ -93,6 +90,7 @@ class Inpainter(Predictor):
         """The prior mean ``m`` ``(B, c, H, W)`` of the observed values ``y = M⊙x`` and the mask ``M``
         ``(B, 1, H, W)``: the checkpoint's mean, then its network's pilot on it where it has one
         (``sizes`` and ``level`` as in ``forward``)."""
+        level = None if level is None else level.to(y.device, y.dtype)
         if level is not None and self.config.mean == "normalized_convolution":
             mean = normalized_convolution(y, observed, self.mean_taps, level)
         else:

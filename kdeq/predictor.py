@@ -238,6 +238,14 @@ class Predictor:
     def name(self) -> str:
         return f"{self.config.name}:{self.config.version}"
 
+    def coupled_reach(self, reach: int) -> int:
+        """The halo a tile of a convolution-kernel model needs for its core's *solution* to match the
+        whole image's to the solver's tolerance: its equations' ``reach`` plus four radii of the kernel
+        ``w1``. The equilibrium couples pixels through the resolvent ``(K + λI)⁻¹`` beyond ``reach``
+        (``tests/test_tiling.py`` measures the stationary denoiser, the inpainters and the segmenters
+        at this halo)."""
+        return reach + 4 * (self.tensors["w1"].shape[-1] // 2)
+
     def solver(self, override: SolverOverride | None) -> SolverConfig:
         """The model's solver defaults with ``override``'s set fields applied."""
         return overridden(self.config.solver, override)

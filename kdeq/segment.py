@@ -97,11 +97,8 @@ class Segmenter(Predictor):
 
     @property
     def solve_reach(self) -> int:
-        """The halo a tile needs for its core's *solution* to match the whole image's to the solver's
-        tolerance: ``reach`` plus four kernel radii, as for the stationary denoiser (``kdeq.denoise``):
-        the equilibrium couples pixels through the kernel beyond the reach (``tests/test_tiling.py``
-        measures it)."""
-        return self.reach + 4 * (self.tensors["w1"].shape[-1] // 2)
+        """``coupled_reach``: the equilibrium couples pixels through the kernel beyond the reach."""
+        return self.coupled_reach(self.reach)
 
     def otsu(self, images: torch.Tensor) -> torch.Tensor:
         """Otsu's threshold ``τ`` ``(B,)`` of ``images`` ``(B, c, H, W)``: the one ``forward`` uses

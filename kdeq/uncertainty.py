@@ -510,7 +510,7 @@ def _inpaint(
         )
     y = x * observed
     lam = predictor.lam(torch.zeros(x.shape[0], device=x.device)).double()
-    mean = predictor.prior_mean(y, observed, None, None if level is None else level.to(x))
+    mean = predictor.prior_mean(y, observed, None, level)
     op = Restriction(observed.double())
     centred = op.forward((x - (0.0 if mean is None else mean)).double())
     kernel, stationary = _conv_kernel(predictor, x.shape[0])
