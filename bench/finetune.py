@@ -15,9 +15,9 @@ Set12 (and BSD68) and Kodak24 at ×2, ×3, ×4 through ``bench/quality.py``'s de
 beside them (``.venv-bench``): BM3D with σ given, scikit-image's biharmonic inpainting, TV then
 threshold, scikit-image's unsupervised Wiener filter, PIL's bicubic upsampling.
 Noise and random masks are ``bench/baselines.py``'s (seed = image index), so the figures line up
-with ``bench/quality.py``'s. Prints a Markdown table: mean PSNR (dB) or IoU, mean solver
-iterations, converged count, seconds per image (scoring included), and for a model with a network
-the score of its pilot alone; with
+with ``bench/quality.py``'s. Prints a Markdown table: mean PSNR (dB) or IoU (``--digits`` decimals,
+2 by default; 2 more for an IoU), mean solver iterations, converged count, seconds per image (scoring
+included), and for a model with a network the score of its pilot alone; with
 ``--per-image``, then each image's scores.
 """
 
@@ -45,6 +45,7 @@ from quality import (
     to_tensor,
 )
 
+from kdeq import netprecision
 from kdeq.repository import load_predictor
 from kdeq.train.data import stroke_mask
 
@@ -162,11 +163,20 @@ def main() -> None:
     parser.add_argument("--blind", action="store_true", help="the models estimate σ per image")
     parser.add_argument("--baseline", action="store_true", help="the task's classical baseline beside")
     parser.add_argument("--per-image", action="store_true", help="also each image's scores")
+    parser.add_argument("--digits", type=int, default=2, help="decimals of a PSNR (an IoU: 2 more)")
+    parser.add_argument(
+        "--network-precision",
+        choices=["auto", *netprecision.DTYPES],
+        default="auto",
+        help="the guide networks' arithmetic (kdeq.netprecision; default: measured)",
+    )
     args = parser.parse_args()
+    netprecision.choice.pin(args.network_precision)
     print(
         f"machine: {platform.machine()} {platform.processor() or ''} "
         f"({torch.backends.cpu.get_cpu_capability()} kernels), torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads; protocol of bench/quality.py (seed = image index)"
+        f"{torch.get_num_threads()} threads, networks {args.network_precision}; "
+        "protocol of bench/quality.py (seed = image index)"
         + (f"; σ {'estimated' if args.blind else 'given'}" if args.task == "denoise" else "")
     )
     models = [(str(p), load_predictor(p)) for p in args.checkpoints]
@@ -175,7 +185,8 @@ def main() -> None:
     header = "| data | " + " | ".join(titles) + " |"
     rule = "|---|" + "---|" * (len(models) + args.baseline)
     print(header + "\n" + rule)
-    fmt = (lambda v: f"IoU {v:.4f}") if args.task == "segment" else (lambda v: f"{v:.2f} dB")
+    d = args.digits
+    fmt = (lambda v: f"IoU {v:.{d + 2}f}") if args.task == "segment" else (lambda v: f"{v:.{d}f} dB")
     per_image = []
     for label, items in cases(args.task, args.bsd68, args.cbsd68):
         cells, columns = [], []

@@ -7,7 +7,9 @@ Sections (all by default; each prints a Markdown table):
 
 - ``models``: seconds per image and PSNR at 256² and 512², grey (Set12 01–07 are 256², 08–12
   512²) and colour (top-left crops of Kodak24), σ = 25 noise seeded per image, σ given to every
-  method; kdeq's default denoiser also with σ estimated, and each ``--compare`` model. Baselines from
+  method; kdeq's default denoiser also with σ estimated, and each ``--compare`` model, with the guide
+  networks in each ``--network-precision`` (default ``float32``, then ``auto``: the measured choice,
+  ``kdeq.netprecision``). Baselines from
   ``bench/baselines.py`` (scikit-image and OpenCV non-local means, PyPI ``bm3d``), run in this
   process on the same inputs.
 - ``linear``: the linear Gaussian model's solve (``kdeq.linear``) ÷ one forward + inverse
@@ -58,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kdeq import netprecision  # noqa: E402
 from kdeq.checkpoint import load_checkpoint  # noqa: E402
 from kdeq.deq import KGLMDEQ  # noqa: E402
 from kdeq.families import Gaussian  # noqa: E402
@@ -101,20 +104,26 @@ def section_models(args: argparse.Namespace) -> None:
     default = load_predictor(find_model(models, "denoise-kglm"), "cpu")
     stationary = load_predictor(find_model(models, "denoise-stationary-kglm"), "cpu")
 
-    def kdeq_method(predictor, known: bool):
+    def kdeq_method(predictor, known: bool, precision: str = "auto"):
         def run(noisy: np.ndarray) -> np.ndarray:
             x = torch.from_numpy(noisy.astype(np.float32))
             x = x[None, None] if x.dim() == 2 else x.permute(2, 0, 1)[None]
-            out = predictor.predict(x, sigma=SIGMA if known else None).output[0]
+            with netprecision.choice.force(precision):
+                out = predictor.predict(x, sigma=SIGMA if known else None).output[0]
             return (out[0] if out.shape[0] == 1 else out.permute(1, 2, 0)).numpy()
 
         return run
 
     others = [load_predictor(find_reference(models, ref), "cpu") for ref in args.compare]
-    methods: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = [
-        (f"kdeq {default.name} (σ given)", kdeq_method(default, True)),
-        (f"kdeq {default.name} (σ estimated)", kdeq_method(default, False)),
-        *[(f"kdeq {other.name} (σ given)", kdeq_method(other, True)) for other in others],
+    methods: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = []
+    for p in args.network_precision:
+        network = f"network {p}"
+        methods += [
+            (f"kdeq {default.name} (σ given, {network})", kdeq_method(default, True, p)),
+            (f"kdeq {default.name} (σ estimated, {network})", kdeq_method(default, False, p)),
+            *[(f"kdeq {other.name} (σ given, {network})", kdeq_method(other, True, p)) for other in others],
+        ]
+    methods += [
         (f"kdeq {stationary.name} (σ given)", kdeq_method(stationary, True)),
         ("scikit-image non-local means", lambda n: B.nlm_skimage(n, SIGMA)),
         ("OpenCV non-local means", lambda n: B.nlm_opencv(n, SIGMA)),
@@ -141,6 +150,8 @@ def section_models(args: argparse.Namespace) -> None:
         for name, sec, q in rows:
             vs_bm3d = f"{sec / bm3d:.3f}" if bm3d else "–"
             print(f"| {label} ({len(noisy)}) | {name} | {sec:.3f} | {q:.2f} | {sec / nlm:.2f} | {vs_bm3d} |")
+    choices = ", ".join(sorted(set(netprecision.choice.chosen().values()))) or "-"
+    print(f"\nThe guide networks' measured precision (`auto`, kdeq.netprecision): {choices}")
 
 
 def section_linear(args: argparse.Namespace) -> None:
@@ -542,6 +553,13 @@ def main() -> None:
     parser.add_argument("--no-bm3d", action="store_true")
     parser.add_argument(
         "--compare", nargs="*", default=[], metavar="NAME[:VERSION]", help="more models in the models section"
+    )
+    parser.add_argument(
+        "--network-precision",
+        nargs="+",
+        choices=["auto", *netprecision.DTYPES],
+        default=["float32", "auto"],
+        help="the guide networks' arithmetic of the models section's kdeq rows (kdeq.netprecision), each",
     )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     args = parser.parse_args()

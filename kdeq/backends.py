@@ -12,10 +12,10 @@ several exact implementations whose speed depends on the machine and the shapes:
 
 On the CPU ``conv_zeros`` times the candidates (``candidates``) on the first input of a shape class
 (the batch and each side rounded up to a power of two, the channels and the filter exact), keeps the
-fastest, and logs the choice (logger ``kdeq.backends``). A backend is passed over for a later one
-(in the order above) only when that one is at least ``MARGIN`` times faster, so that timing noise
-does not flip a close choice between runs. Other devices use ``padded`` (cuDNN does its own
-benchmarking). ``KDEQ_CONV_BACKEND`` (or ``force_backend``) pins one backend for every shape;
+fastest, and logs the choice (logger ``kdeq.backends``; ``kdeq.autotune``). A backend is passed over
+for a later one (in the order above) only when that one is at least ``MARGIN`` times faster, so that
+timing noise does not flip a close choice between runs. Other devices use ``padded`` (cuDNN does its
+own benchmarking). ``KDEQ_CONV_BACKEND`` (or ``force_backend``) pins one backend for every shape;
 ``auto`` measures. ``kdeq train`` pins ``prepadded`` unless the variable names a backend, so that
 its ranks and a resumed run repeat the same arithmetic.
 """
@@ -23,19 +23,13 @@ its ranks and a resumed run repeat the same arithmetic.
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-#: how much faster a backend must measure to be chosen over one listed before it
-MARGIN = 1.2
-#: timed runs per backend after one warm-up; the median counts
-RUNS = 3
+from kdeq import autotune
+
 #: ``fft`` is timed only for filters of at least this many taps, on at most this many channel pairs
 FFT_MIN_TAPS = 25
 FFT_MAX_PAIRS = 9
@@ -74,65 +68,22 @@ BACKENDS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "fft": _fft,
 }
 
-_lock = threading.Lock()
-_chosen: dict[tuple, str] = {}
-#: ``force_backend``'s pins, innermost last, and ``pin``'s
-_forced: list[str] = []
-_process: list[str] = []
-
-
-def _check(name: str) -> str:
-    if name != "auto" and name not in BACKENDS:
-        raise ValueError(f"the convolution backend is auto or one of {sorted(BACKENDS)}, got {name!r}")
-    return name
-
-
-def _pinned() -> str | None:
-    """The backend pinned by ``force_backend``, ``pin`` or ``KDEQ_CONV_BACKEND``, in that order
-    (``None``: measure)."""
-    if _forced:
-        name = _forced[-1]
-    elif _process:
-        name = _process[-1]
-    else:
-        name = _check(os.environ.get(ENV, "auto"))
-    return None if name == "auto" else name
-
-
-def pin(name: str) -> None:
-    """Use backend ``name`` for every shape from now on, in this process, over ``KDEQ_CONV_BACKEND``
-    (the service's setting of that name); ``auto`` drops the pin."""
-    _process[:] = [] if _check(name) == "auto" else [name]
-
-
-@contextmanager
-def force_backend(name: str) -> Iterator[None]:
-    """Within: every ``conv_zeros`` uses backend ``name`` (``auto``: measure)."""
-    _forced.append(_check(name))
-    try:
-        yield
-    finally:
-        _forced.pop()
-
-
-@contextmanager
-def reproducible(default: str) -> Iterator[None]:
-    """Within: ``KDEQ_CONV_BACKEND``'s backend where it names one, else ``default``, for every shape,
-    with no timing that could choose differently in another process (``kdeq train``: its ranks and
-    a resumed run repeat the same arithmetic)."""
-    with force_backend(os.environ.get(ENV, default)):
-        yield
-
-
-def _bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+_tuner = autotune.Tuner("convolution backend", ENV, tuple(BACKENDS), log)
+#: the backend pinned by ``force_backend``, ``pin`` or ``KDEQ_CONV_BACKEND``, in that order (``None``:
+#: measure)
+_pinned = _tuner.pinned
+pin = _tuner.pin
+force_backend = _tuner.force
+reproducible = _tuner.reproducible
+chosen = _tuner.chosen
+forget = _tuner.forget
 
 
 def shape_class(x: torch.Tensor, bank: torch.Tensor) -> tuple:
     """The key a choice is kept under: device type, dtype, the filter bank's shape exactly, the batch
     and each side rounded up to a power of two."""
-    b, _, h, w = x.shape
-    return (x.device.type, x.dtype, tuple(bank.shape), _bucket(b), _bucket(h), _bucket(w))
+    sides = tuple(autotune.bucket(n) for n in (x.shape[0], x.shape[2], x.shape[3]))
+    return (x.device.type, x.dtype, tuple(bank.shape), *sides)
 
 
 def candidates(bank: torch.Tensor) -> list[str]:
@@ -149,25 +100,14 @@ def candidates(bank: torch.Tensor) -> list[str]:
 def measure(x: torch.Tensor, bank: torch.Tensor) -> dict[str, float]:
     """Median seconds of each of ``candidates(bank)`` on ``x`` and ``bank`` (no autograd), after a
     warm-up."""
-    times = {}
     with torch.no_grad():
-        for name in candidates(bank):
-            fn = BACKENDS[name]
-            fn(x, bank)
-            runs = []
-            for _ in range(RUNS):
-                start = time.perf_counter()
-                fn(x, bank)
-                runs.append(time.perf_counter() - start)
-            times[name] = sorted(runs)[RUNS // 2]
-    return times
+        return {n: autotune.median_seconds(lambda n=n: BACKENDS[n](x, bank)) for n in candidates(bank)}
 
 
 def choose(times: dict[str, float]) -> str:
     """The first timed backend, in ``BACKENDS``' order of preference, within ``MARGIN`` of the
     fastest: a close call always goes the same way, so the choice does not flip with timing noise."""
-    best = min(times.values())
-    return next(name for name in BACKENDS if name in times and times[name] <= best * MARGIN)
+    return autotune.choose(times, tuple(BACKENDS))
 
 
 def backend_for(x: torch.Tensor, bank: torch.Tensor) -> str:
@@ -178,30 +118,11 @@ def backend_for(x: torch.Tensor, bank: torch.Tensor) -> str:
         return pinned
     if x.device.type != "cpu":
         return "padded"
-    key = shape_class(x, bank)
-    with _lock:
-        if key not in _chosen:
-            times = measure(x.detach(), bank.detach())
-            _chosen[key] = choose(times)
-            spent = ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items())
-            shapes = (tuple(bank.shape), tuple(x.shape), x.dtype)
-            log.info("conv %s on %s (%s): %s -> %s", *shapes, spent, _chosen[key])
-        return _chosen[key]
+    subject = f"conv {tuple(bank.shape)} on {tuple(x.shape)} ({x.dtype})"
+    return _tuner.decide(shape_class(x, bank), lambda: measure(x.detach(), bank.detach()), subject)
 
 
 def conv_zeros(x: torch.Tensor, bank: torch.Tensor) -> torch.Tensor:
     """``C ⋆ x`` with a zero border, ``(B, c_in, H, W) → (B, c_out, H, W)``, for ``bank``
     ``(c_out, c_in, kh, kw)`` with odd sides, by ``backend_for``'s backend."""
     return BACKENDS[backend_for(x, bank)](x, bank)
-
-
-def chosen() -> dict[tuple, str]:
-    """The choices made so far, by shape class."""
-    with _lock:
-        return dict(_chosen)
-
-
-def forget() -> None:
-    """Drop every choice (the next input of each class is measured again)."""
-    with _lock:
-        _chosen.clear()

@@ -80,6 +80,8 @@ from pydantic import (
     model_validator,
 )
 
+from kdeq import netprecision
+
 
 class GuideNet(BaseModel):
     """Shape of ``N_θ``: ``depth`` convolutions (``depth − 1`` followed by ReLU) of ``channels`` features,
@@ -213,33 +215,43 @@ def _network(
     colour: bool = False,
 ) -> torch.Tensor:
     """``N_θ`` (``N_θ^c`` with ``colour``) on its unshuffled input ``h`` ``(N, 5, 8 or 13, H', W')``,
-    shuffled back and cropped to ``size``: ``(N, 1 or 3, H, W)``; on a CPU in calls of as many
-    samples as ``CPU_CALL_BYTES`` allows (at least one: the samples are independent)."""
+    shuffled back and cropped to ``size``: ``(N, 1 or 3, H, W)`` in ``h``'s dtype; computed in the
+    dtype ``kdeq.netprecision`` chooses, and on a CPU in calls of as many samples as
+    ``CPU_CALL_BYTES`` allows (at least one: the samples are independent)."""
     prefix, features = ("net_colour", net.colour_channels) if colour else ("net", net.channels)
     assert features is not None, "a colour pass needs the colour network"
+    names = [f"{prefix}_{i}_{part}" for i in range(net.depth) for part in ("weight", "bias")]
+    grad = torch.is_grad_enabled() and (h.requires_grad or any(tensors[n].requires_grad for n in names))
+    dtype = netprecision.dtype_for(h, features, grad)
     per_sample = features * h.shape[-2] * h.shape[-1] * h.element_size()
     step = max(1, CPU_CALL_BYTES // per_sample)
     if h.device.type == "cpu" and h.shape[0] > step:
         calls = range(0, h.shape[0], step)
-        return torch.cat([_layers(h[i : i + step], tensors, prefix, net.depth, size) for i in calls])
-    return _layers(h, tensors, prefix, net.depth, size)
+        return torch.cat([_layers(h[i : i + step], tensors, prefix, net.depth, size, dtype) for i in calls])
+    return _layers(h, tensors, prefix, net.depth, size, dtype)
 
 
 def _layers(
-    h: torch.Tensor, tensors: dict[str, torch.Tensor], prefix: str, depth: int, size: tuple[int, int]
+    h: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    prefix: str,
+    depth: int,
+    size: tuple[int, int],
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``_network``'s one call, through the layers ``<prefix>_<i>``."""
+    """``_network``'s one call, through the layers ``<prefix>_<i>``, computed in ``dtype``."""
     # channels-last from the first layer to the last: oneDNN then runs the 3×3 convolutions on 64
     # features without reordering their input and output at every layer (the default denoiser's
     # solve 1.05–1.33× faster on this project's CPU; docs/BENCHMARKS.md)
     last = torch.channels_last
-    h = h.contiguous(memory_format=last)
+    out_dtype = h.dtype
+    h = h.to(dtype).contiguous(memory_format=last)
     for i in range(depth):
-        weight = tensors[f"{prefix}_{i}_weight"].contiguous(memory_format=last)
-        h = F.conv2d(h, weight, tensors[f"{prefix}_{i}_bias"], padding=1)
+        weight = tensors[f"{prefix}_{i}_weight"].to(dtype).contiguous(memory_format=last)
+        h = F.conv2d(h, weight, tensors[f"{prefix}_{i}_bias"].to(dtype), padding=1)
         if i < depth - 1:
             h = F.relu_(h)
-    return F.pixel_shuffle(h.contiguous(), 2)[..., : size[0], : size[1]]
+    return F.pixel_shuffle(h.to(out_dtype).contiguous(), 2)[..., : size[0], : size[1]]
 
 
 def _per_opponent_channel(

@@ -104,7 +104,10 @@ def run_server(tmp: Path, command: tuple[str, ...] = ("service",), **settings: o
     """Start ``python -m <command>`` with ``KDEQ_<NAME>=value`` for each setting (CPU, defaults from
     ``models/``), wait until ``/readyz`` is 200; kill it afterwards if it is still running."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_")}
+    # the suite's network precision (tests/conftest.py) stands, so that a server's output can be
+    # compared with the same model's in the test's own process
+    keep = {"KDEQ_NETWORK_PRECISION"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_") or k in keep}
     env.update({"KDEQ_PORT": str(port), "KDEQ_DEVICE": "cpu", "KDEQ_MODELS_DIR": str(MODELS)})
     env.update({"KDEQ_LOG_LEVEL": "warning", "KDEQ_DRAIN_SECONDS": "0"})
     env.update({f"KDEQ_{k.upper()}": str(v) for k, v in settings.items()})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq import backends
+from kdeq import backends, netprecision
 from kdeq.backends import BACKENDS, backend_for, choose, conv_zeros, force_backend, shape_class
 from kdeq.conv import conv
 
@@ -148,19 +148,32 @@ def test_the_service_pins_its_setting(tmp_path) -> None:
         backends.pin("auto")
 
 
-@pytest.mark.parametrize(("env", "expected"), [(None, "prepadded"), ("fft", "fft")])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ((None, None), ("prepadded", "float32")),
+        (("auto", "auto"), ("prepadded", "float32")),
+        (("fft", "bfloat16"), ("fft", "bfloat16")),
+    ],
+)
 def test_training_pins_a_backend_so_that_a_resumed_run_repeats_its_arithmetic(
     monkeypatch, tmp_path, env, expected
 ) -> None:
+    """``kdeq train`` pins the convolution backend and the guide network's precision
+    (``kdeq.netprecision``: float32, so that validation, and the checkpoint it chooses, is the same on
+    any machine) unless the environment names one; the pins end with the run."""
     from kdeq.train import loop
     from kdeq.train.config import TrainConfig
 
-    if env is None:
-        monkeypatch.delenv("KDEQ_CONV_BACKEND", raising=False)
-    else:
-        monkeypatch.setenv("KDEQ_CONV_BACKEND", env)
+    for name, value in zip((backends.ENV, netprecision.ENV), env, strict=True):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
     seen = []
-    monkeypatch.setattr(loop, "_train", lambda *args: seen.append(backends._pinned()) or {})
+    monkeypatch.setattr(
+        loop, "_train", lambda *args: seen.append((backends._pinned(), netprecision.choice.pinned())) or {}
+    )
     cfg = TrainConfig(
         task="denoise",
         spec="denoise-stationary-kglm",
@@ -170,4 +183,5 @@ def test_training_pins_a_backend_so_that_a_resumed_run_repeats_its_arithmetic(
     )
     loop.train(cfg)
     assert seen == [expected]
-    assert backends._pinned() == env  # the pin ends with the run
+    after = tuple(None if v in (None, "auto") else v for v in env)
+    assert (backends._pinned(), netprecision.choice.pinned()) == after  # the pins end with the run

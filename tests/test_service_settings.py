@@ -25,13 +25,14 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
             "KDEQ_API_KEY": "s3cr3t-key",
             "KDEQ_WARMUP": "false",
             "KDEQ_CONV_BACKEND": "prepadded",
+            "KDEQ_NETWORK_PRECISION": "bfloat16",
             "PATH": "/bin",
         }
     )
     assert s.models_dir == tmp_path and s.models == ("denoise-kglm", "segment-kglm:1")
     assert s.device == ("cpu",) and s.devices() == ["cpu"]
     assert (s.port, s.max_batch_size, s.batch_wait_seconds, s.warmup) == (9000, 4, 0.01, False)
-    assert s.conv_backend == "prepadded"
+    assert (s.conv_backend, s.network_precision) == ("prepadded", "bfloat16")
     assert s.api_key.get_secret_value() == "s3cr3t-key" and "s3cr3t" not in repr(s)
     assert Settings.from_env({"KDEQ_PORT": "9000"}, port=9100).port == 9100
 
@@ -47,6 +48,7 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
         ({"KDEQ_DEVICE": "auto,cpu"}, "KDEQ_DEVICE"),
         ({"KDEQ_LOG_LEVEL": "loud"}, "KDEQ_LOG_LEVEL"),
         ({"KDEQ_CONV_BACKEND": "winograd"}, "KDEQ_CONV_BACKEND"),
+        ({"KDEQ_NETWORK_PRECISION": "float16"}, "KDEQ_NETWORK_PRECISION"),
         ({"KDEQ_REQUEST_TIMEOUT_SECONDS": "-1"}, "KDEQ_REQUEST_TIMEOUT_SECONDS"),
         ({"KDEQ_API_KEY": ""}, "KDEQ_API_KEY"),  # an empty key must not silently turn auth off
         ({"KDEQ_TILE_SIZE": "63"}, "KDEQ_TILE_SIZE"),

@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from kdeq import backends
+from kdeq import backends, netprecision
 from kdeq.checkpoint import Provenance, save_checkpoint
 from kdeq.precision import ieee_float32
 from kdeq.predictor import SolverOverride, resolve_device
@@ -305,8 +305,9 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
         )
     try:
         # every rank, and a resumed run, must repeat the same arithmetic: no per-process timing of
-        # the convolution backends
-        with backends.reproducible(TRAINING_BACKEND):
+        # the convolution backends, and a validation (which chooses the checkpoint) in float32 on any
+        # machine
+        with backends.reproducible(TRAINING_BACKEND), netprecision.choice.reproducible("float32"):
             return _train(cfg, progress, rank, device)
     finally:
         if owned:
