@@ -30,7 +30,9 @@ Sections (all by default; each prints a Markdown table):
   that only imports torch; kdeq's bytecode compiled first, as an installed package has it.
 
 - ``tiling``: the default denoiser (σ = 25 noise), inpainter (half the pixels and a 64² block per
-  256² missing) and segmenter (the Otsu mask, 5 % flipped, σ = 50 noise) on Kodak24 photo mosaics
+  256² missing), segmenter (the Otsu mask, 5 % flipped, σ = 50 noise), impulse denoiser (σ = 25
+  noise and 10 % salt and pepper) and photon denoiser (Poisson counts, 30 for white;
+  ``--tiling-tasks`` picks among them) on Kodak24 photo mosaics
   from 1.6 to 25 megapixels: tiled (``kdeq.tiling``) against untiled in process (time, PSNR or IoU,
   largest difference) where both fit, then ``kdeq TASK`` on each mosaic's PNG in a fresh process: its
   peak resident memory and time.
@@ -72,6 +74,8 @@ from kdeq.repository import default_models_dir, find_model, find_reference, load
 from kdeq.transforms import dct2, idct2  # noqa: E402
 
 SIGMA = 25.0
+#: the photon counts of white in the tiling section
+PEAK = 30.0
 
 
 def best_time(fn: Callable[[], object], repeat: int) -> float:
@@ -436,8 +440,10 @@ Corrupted = tuple[np.ndarray, dict, dict[str, torch.Tensor], dict[str, torch.Ten
 
 
 def section_tiling(args: argparse.Namespace) -> None:
-    """The default denoiser's tiles (σ = 25 noise, given), the default inpainter's (``holes``) and the
-    default segmenter's (the mosaic's Otsu mask, 5 % of it flipped, σ = 50 noise)."""
+    """The default denoiser's tiles (σ = 25 noise, given), the default inpainter's (``holes``), the
+    default segmenter's (the mosaic's Otsu mask, 5 % of it flipped, σ = 50 noise), the default
+    impulse denoiser's (σ = 25 noise and 10 % salt and pepper, σ estimated) and the default photon
+    denoiser's (Poisson counts, ``PEAK`` for white, given): ``--tiling-tasks``."""
     from kdeq.tasks import TASKS
     from kdeq.train.data import binary_target
 
@@ -463,10 +469,36 @@ def section_tiling(args: argparse.Namespace) -> None:
         noisy = (flipped + 50 / 255 * torch.randn(target.shape, generator=gen)).clamp(0, 1)
         return noisy.numpy(), {}, {"image": noisy}, {"target": target[None]}
 
-    _tiling_rows(TASKS["denoise"], noise, "σ = 25 noise (given)", {"sigma": SIGMA}, ["--sigma", "25"])
-    _tiling_rows(TASKS["inpaint"], mask, "half the pixels and a 64² block per 256² missing", {}, [])
-    scanned = "their Otsu masks, 5 % flipped, σ = 50 noise"
-    _tiling_rows(TASKS["segment"], scan, scanned, {"output": "probability"}, ["--output", "probability"])
+    def salt(clean: torch.Tensor) -> Corrupted:
+        noisy = (clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)).clamp(0, 1)
+        hit = torch.rand(clean.shape[-2:], generator=gen) < 0.1
+        noisy[:, hit] = torch.randint(0, 2, (int(hit.sum()),), generator=gen, dtype=noisy.dtype)
+        return noisy.numpy(), {}, {"image": noisy}, {"target": clean[None]}
+
+    def photons(clean: torch.Tensor) -> Corrupted:
+        counts = torch.poisson(PEAK * clean, generator=gen)
+        # the PNG holds the counts as its values (8 bits: the peak keeps them under 256)
+        return counts.numpy(), {}, {"image": counts / 255.0}, {"target": clean[None]}
+
+    rows = {
+        "denoise": (noise, "σ = 25 noise (given)", {"sigma": SIGMA}, ["--sigma", "25"]),
+        "inpaint": (mask, "half the pixels and a 64² block per 256² missing", {}, []),
+        "segment": (
+            scan,
+            "their Otsu masks, 5 % flipped, σ = 50 noise",
+            {"output": "probability"},
+            ["--output", "probability"],
+        ),
+        "denoise-impulse": (salt, "σ = 25 noise and 10 % salt and pepper (σ estimated)", {}, []),
+        "denoise-poisson": (
+            photons,
+            f"Poisson counts at {PEAK:g} photons for white (peak given)",
+            {"peak": PEAK},
+            ["--peak", f"{PEAK:g}"],
+        ),
+    }
+    for name in args.tiling_tasks:
+        _tiling_rows(TASKS[name], *rows[name])
 
 
 def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> None:
@@ -560,6 +592,13 @@ def main() -> None:
         choices=["auto", *netprecision.DTYPES],
         default=["float32", "auto"],
         help="the guide networks' arithmetic of the models section's kdeq rows (kdeq.netprecision), each",
+    )
+    parser.add_argument(
+        "--tiling-tasks",
+        nargs="+",
+        choices=["denoise", "inpaint", "segment", "denoise-impulse", "denoise-poisson"],
+        default=["denoise", "inpaint", "segment", "denoise-impulse", "denoise-poisson"],
+        help="the tasks of the tiling section",
     )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     args = parser.parse_args()

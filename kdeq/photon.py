@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -43,6 +44,8 @@ GUIDE_QUANTILE = 0.999
 PEAK_QUANTILE = 0.995
 #: ``η_max`` of the Poisson family, above the log of the largest count or mean rate by this margin
 ETA_MARGIN = 3.0
+#: rows per band when ``WholeImage.of`` sums a large image
+LEVEL_ROWS = 512
 
 
 #: ``a(0) = 2√(3/8)``, the Anscombe transform of no photons
@@ -72,6 +75,32 @@ def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     return flat.kthvalue(k, dim=1).values
 
 
+@dataclass(frozen=True)
+class WholeImage:
+    """What a tile of an image of counts takes from its whole image (``kdeq.tiling``): the guide's
+    scale ``P`` (``bright`` ``(1,)``), the stabilised image's channel means that the guide network
+    centres on (``level`` ``(1, c)``), and its largest count ``top``."""
+
+    bright: torch.Tensor
+    level: torch.Tensor
+    top: float
+
+    @classmethod
+    def of(cls, counts: torch.Tensor) -> WholeImage:
+        """The statistics of one image of ``counts`` ``(1, c, H, W)`` (``PhotonDenoiser.stabilised``)."""
+        bright = quantile(counts, GUIDE_QUANTILE).clamp(min=1.0)
+        span = anscombe(bright) - ANSCOMBE_ZERO
+        rows = counts.shape[-2]
+        # the stabilised image's channel sums in float64, a band of rows at a time: a float64 copy
+        # of a 25-megapixel image would be 600 MiB
+        sums = sum(
+            (anscombe(counts[0, :, top : top + LEVEL_ROWS].double()) - ANSCOMBE_ZERO).sum(dim=(1, 2))
+            for top in range(0, rows, LEVEL_ROWS)
+        )
+        level = (sums / (rows * counts.shape[-1]) / span.double()).float()
+        return cls(bright, level.reshape(1, -1), max(float(counts.max()), 1.0))
+
+
 class PhotonDenoiser(Denoiser):
     """Poisson-family denoiser of photon counts; see the module docstring."""
 
@@ -81,10 +110,14 @@ class PhotonDenoiser(Denoiser):
     def pads_exactly(self) -> bool:
         return False
 
-    def stabilised(self, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def stabilised(
+        self, counts: torch.Tensor, bright: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``u`` ``(B, c, H, W)``, its noise ``σ_u`` ``(B,)`` and its span ``a(P) − a(0)`` ``(B,)`` for
-        ``counts`` ``(B, c, H, W)`` (module docstring)."""
-        bright = quantile(counts, GUIDE_QUANTILE).clamp(min=1.0)
+        ``counts`` ``(B, c, H, W)`` (module docstring); ``P`` is ``bright`` ``(B,)`` where given (a
+        tile's whole image's, ``kdeq.tiling``), else ``GUIDE_QUANTILE`` of the counts, at least 1."""
+        if bright is None:
+            bright = quantile(counts, GUIDE_QUANTILE).clamp(min=1.0)
         span = anscombe(bright) - ANSCOMBE_ZERO
         u = (anscombe(counts) - ANSCOMBE_ZERO) / span.reshape(-1, 1, 1, 1)
         return u, 1.0 / span, span
@@ -94,15 +127,18 @@ class PhotonDenoiser(Denoiser):
         counts: torch.Tensor,
         peak: float | Sequence[float] | torch.Tensor | None = None,
         solver: SolverOverride | None = None,
+        whole: WholeImage | None = None,
     ) -> Prediction:
         """Estimate the rate of ``counts`` ``(B, c, H, W)`` (non-negative, photon counts); ``peak``
-        the counts shown as full scale, scalar or ``(B,)`` (default ``PEAK_QUANTILE`` of the estimate).
+        the counts shown as full scale, scalar or ``(B,)`` (default ``PEAK_QUANTILE`` of the estimate);
+        ``whole`` a tile's whole image's statistics (``kdeq.tiling``), one image's.
 
         ``output`` is ``r̂/peak`` ``(B, c, H, W)``, ``peak`` the peak used ``(B,)``, ``pilot`` the
         guide network's ``I(p)/peak``, on the output's scale (``None`` without one)."""
         y = self.counts(counts)
-        u, s_u, span = self.stabilised(y)
-        op, pilot_u = self.guided_operator(u, s_u, mean_of=y)
+        u, s_u, span = self.stabilised(y, None if whole is None else whole.bright.to(y))
+        level = None if whole is None else whole.level.to(y)
+        op, pilot_u = self.guided_operator(u, s_u, level=level, mean_of=y)
         rate = op.local_mean
         pilot = None
         if pilot_u is not None:
@@ -110,7 +146,9 @@ class PhotonDenoiser(Denoiser):
             beta = self.tensors["net_mean_mix"]
             rate = beta * pilot + (1 - beta) * rate
         mean = torch.log(rate.clamp(min=RATE_FLOOR))
-        top = max(float(y.max()), float(rate.detach().max()), 1.0)
+        # a tile takes at least its whole image's brightest count: the family's range and the damping
+        # then follow the image, not the tile (each only bounds the iteration, not its fixed point)
+        top = max(float(y.max()), float(rate.detach().max()), 1.0, 0.0 if whole is None else whole.top)
         family = Poisson(eta_max=math.log(top) + ETA_MARGIN)
         lam = self.lam(torch.zeros(y.shape[0], device=y.device))
         layer = self.kglm_layer(family, lam, lambda _, s: GuidedMap(op, s), tied=True)

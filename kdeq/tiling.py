@@ -8,8 +8,9 @@ guided kernel's weight maps, its largest buffers, are a tile's.
 
 What a tile alone would compute differently from its whole image, its task fixes first
 (``Task.whole_image``: the denoiser's estimated ``σ`` and the channel means its guide network centres
-on). With a halo of at least the model's ``reach``, each tile then poses its core's equations exactly
-as the whole image does: the operator's rows and the prior mean there read nothing beyond the halo.
+on), or computes from the whole output after (``Task.whole_result``: the photon denoiser's peak).
+With a halo of at least the model's ``reach``, each tile then poses its core's equations exactly as
+the whole image does: the operator's rows and the prior mean there read nothing beyond the halo.
 The tiled *solution* is still approximate wherever the task's solve is global: a kGLM-DEQ's
 equilibrium ``z = m + K(K + λI)⁻¹(y − m)`` couples every pixel to every other through the resolvent,
 whose influence decays with distance but never vanishes, and each tile's solver stops at its own
@@ -139,7 +140,7 @@ def solve_tiled(
                 stats.append(replace(result, output=out))
             if progress is not None:
                 progress(len(chunk))
-    return replace(
+    stitched = replace(
         stats[0],
         iterations=max(s.iterations for s in stats),
         residual=max((s.residual for s in stats), key=lambda r: math.inf if math.isnan(r) else r),
@@ -148,6 +149,7 @@ def solve_tiled(
         history=None,  # one per tile: no single sequence is the image's
         uncertainty=None if std is None else _stitched(std, [s.uncertainty for s in stats]),
     )
+    return task.whole_result(request, stitched)
 
 
 def _stitched(std: np.ndarray, parts: list[UncertaintyMap]) -> UncertaintyMap:

@@ -592,17 +592,23 @@ def _segment(
 
 @register_posterior("denoise-poisson")
 def _denoise_poisson(
-    predictor: Predictor, counts: torch.Tensor, peak: object = None, solver: object = None
+    predictor: Predictor,
+    counts: torch.Tensor,
+    peak: object = None,
+    solver: object = None,
+    whole: object = None,
 ) -> GaussianPosterior:
     """Laplace's approximation at the equilibrium, as the segmenter's: the log-rate's covariance
     ``(λK⁻¹ + W)⁻¹`` with ``W = diag(r̂)`` (``A''(η) = e^η``), i.e. ``A = W^{1/2}``, ``s² = 1/λ``, ``K``
-    the adaptive kernel of the stabilised image (``kdeq.photon``); the std mapped to the output
-    ``r̂/peak`` by the delta method (``d(e^η)/dη = r̂``), so the factor is the output itself."""
-    found = predictor.forward(counts, peak, solver)
+    the adaptive kernel of the stabilised image (``kdeq.photon``; a tile's with its whole image's
+    ``WholeImage``); the std mapped to the output ``r̂/peak`` by the delta method
+    (``d(e^η)/dη = r̂``), so the factor is the output itself."""
+    found = predictor.forward(counts, peak, solver, whole)
     out = found.output.double()
     rate = out * found.peak.double().reshape(-1, 1, 1, 1)
-    u, s_u, _ = predictor.stabilised(predictor.images(counts))
-    op = _guided_denoiser_kernel(predictor, u, s_u)
+    x = predictor.images(counts)
+    u, s_u, _ = predictor.stabilised(x, None if whole is None else whole.bright.to(x))
+    op = _guided_denoiser_kernel(predictor, u, s_u, None if whole is None else whole.level.to(x))
     lam = found.lam.double()
     spacing = probe_spacing(predictor.tensors["spatial"].shape[0] // 2)
     weight = Diagonal(rate.sqrt())

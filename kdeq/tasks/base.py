@@ -311,6 +311,11 @@ class Task:
         nothing)."""
         return request
 
+    def whole_result(self, request: Request, solved: Solved) -> Solved:
+        """The result of ``request`` from its tiles' results put together (``solved``), where the task
+        computes something from the whole image's output (this default: ``solved`` as it is)."""
+        return solved
+
     def cut(self, request: Request, rows: slice, cols: slice) -> Request:
         """The tile ``rows × cols`` of ``request``: its image and every per-pixel input ``(·, H, W)``
         cut to it, the other inputs shared."""

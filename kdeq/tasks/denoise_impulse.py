@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from kdeq.predictor import Prediction
-from kdeq.robust import ImpulseDenoiser
+from kdeq.robust import ImpulseDenoiser, off_end_means, robust_sigma
 from kdeq.tasks import register_task
 from kdeq.tasks.base import Request, Task, Variant, noise_levels
 from kdeq.tasks.denoise import Denoise, DenoiseOptions
@@ -37,10 +38,27 @@ class DenoiseImpulse(Task):
     def batch_key(self, request: Request) -> Hashable:
         return (request.options.sigma is None, request.solver)
 
+    def tile_halo(self, predictor: ImpulseDenoiser) -> int:
+        """The model's ``solve_reach`` (``kdeq.robust``)."""
+        return predictor.solve_reach
+
+    def whole_image(self, predictor: ImpulseDenoiser, request: Request) -> Request:
+        """``σ`` estimated on the whole image's impulse-free blocks where not given (at most 255, as
+        ``Denoise`` gives it), and the level its guide network centres on (``off_end_means``) fixed."""
+        image = torch.from_numpy(request.image)[None]
+        options = request.options
+        if options.sigma is None:
+            options = options.model_copy(update={"sigma": min(float(robust_sigma(image)[0]) * 255.0, 255.0)})
+        level = off_end_means(image)[0].numpy()
+        return replace(request, options=options, inputs={**request.inputs, "level": level})
+
     def arguments(
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
     ) -> tuple[tuple, dict[str, Any]]:
-        return (images,), {"sigma": noise_levels(requests), "solver": requests[0].solver}
+        extra = {}
+        if "level" in requests[0].inputs:  # tiles of one image (kdeq.tiling), never batched with others
+            extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
+        return (images,), {"sigma": noise_levels(requests), "solver": requests[0].solver, **extra}
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
         return prediction.output[index], {"sigma": float(prediction.sigma[index])}

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from kdeq.photon import PhotonDenoiser
+from kdeq.photon import PEAK_QUANTILE, PhotonDenoiser, WholeImage, quantile
 from kdeq.predictor import Prediction
 from kdeq.tasks import register_task
-from kdeq.tasks.base import InputError, Options, Request, ResultField, Task, Variant
+from kdeq.tasks.base import InputError, Options, Request, ResultField, Solved, Task, Variant
 from kdeq.train.data import Corruption, log_uniform
 
 #: the largest peak: a 16-bit detector's full scale
@@ -57,12 +58,42 @@ class DenoisePoisson(Task):
         # given peaks may differ within a batch (one per sample); estimated ones are estimated per image
         return (request.options.peak is None, request.solver)
 
+    def tile_halo(self, predictor: PhotonDenoiser) -> int:
+        """The model's ``solve_reach`` (``kdeq.denoise``): the Poisson equation at a pixel reads the
+        guided kernel's row, the counts and the mean within the guided denoiser's reach."""
+        return predictor.solve_reach
+
+    def whole_image(self, predictor: PhotonDenoiser, request: Request) -> Request:
+        """The guide's scale, the level its network centres on and the largest count fixed from the
+        whole image (``kdeq.photon.WholeImage``); without a given peak the tiles keep their rates in
+        counts (peak 1), and ``whole_result`` scales the whole output."""
+        whole = WholeImage.of(torch.from_numpy(request.image)[None])
+        options = request.options
+        if options.peak is None:
+            options = options.model_copy(update={"peak": 1.0})
+        return replace(request, options=options, inputs={**request.inputs, "whole": whole})
+
+    def whole_result(self, request: Request, solved: Solved) -> Solved:
+        """Without a given peak: the whole estimate's ``PEAK_QUANTILE`` (at least one photon) as full
+        scale, as an untiled solve takes it, the output and its uncertainty divided by it."""
+        if request.options.peak is not None:
+            return solved
+        peak = float(quantile(torch.from_numpy(solved.output)[None], PEAK_QUANTILE).clamp(min=1.0))
+        std = solved.uncertainty
+        if std is not None:
+            std = replace(std, std=std.std / np.float32(peak))
+        output = solved.output / np.float32(peak)
+        return replace(solved, output=output, fields={"peak": peak}, uncertainty=std)
+
     def arguments(
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
     ) -> tuple[tuple, dict[str, Any]]:
         first = requests[0]
         peaks = None if first.options.peak is None else [r.options.peak for r in requests]
-        return (images,), {"peak": peaks, "solver": first.solver}
+        extra = {}
+        if "whole" in first.inputs:  # tiles of one image (kdeq.tiling), never batched with others
+            extra["whole"] = first.inputs["whole"]
+        return (images,), {"peak": peaks, "solver": first.solver, **extra}
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
         return prediction.output[index], {"peak": float(prediction.peak[index])}
