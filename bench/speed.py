@@ -31,8 +31,8 @@ Sections (all by default; each prints a Markdown table):
 
 - ``tiling``: the default denoiser (σ = 25 noise), inpainter (half the pixels and a 64² block per
   256² missing), segmenter (the Otsu mask, 5 % flipped, σ = 50 noise), impulse denoiser (σ = 25
-  noise and 10 % salt and pepper) and photon denoiser (Poisson counts, 30 for white;
-  ``--tiling-tasks`` picks among them) on Kodak24 photo mosaics
+  noise and 10 % salt and pepper), photon denoiser (Poisson counts, 30 for white) and
+  super-resolver (×2; ``--tiling-tasks`` picks among them) on Kodak24 photo mosaics
   from 1.6 to 25 megapixels: tiled (``kdeq.tiling``) against untiled in process (time, PSNR or IoU,
   largest difference) where both fit, then ``kdeq TASK`` on each mosaic's PNG in a fresh process: its
   peak resident memory and time.
@@ -442,8 +442,9 @@ Corrupted = tuple[np.ndarray, dict, dict[str, torch.Tensor], dict[str, torch.Ten
 def section_tiling(args: argparse.Namespace) -> None:
     """The default denoiser's tiles (σ = 25 noise, given), the default inpainter's (``holes``), the
     default segmenter's (the mosaic's Otsu mask, 5 % of it flipped, σ = 50 noise), the default
-    impulse denoiser's (σ = 25 noise and 10 % salt and pepper, σ estimated) and the default photon
-    denoiser's (Poisson counts, ``PEAK`` for white, given): ``--tiling-tasks``."""
+    impulse denoiser's (σ = 25 noise and 10 % salt and pepper, σ estimated), the default photon
+    denoiser's (Poisson counts, ``PEAK`` for white, given) and the default super-resolver's (×2 from
+    the mosaic's bicubic reduction): ``--tiling-tasks``."""
     from kdeq.tasks import TASKS
     from kdeq.train.data import binary_target
 
@@ -480,6 +481,12 @@ def section_tiling(args: argparse.Namespace) -> None:
         # the PNG holds the counts as its values (8 bits: the peak keeps them under 256)
         return counts.numpy(), {}, {"image": counts / 255.0}, {"target": clean[None]}
 
+    def small(clean: torch.Tensor) -> Corrupted:
+        from kdeq.tasks.super_resolve import degrade
+
+        low = degrade(clean[None], 2)[0].clamp(0, 1)
+        return low.numpy(), {}, {"image": low}, {"target": clean[None], "scale": torch.tensor([2])}
+
     rows = {
         "denoise": (noise, "σ = 25 noise (given)", {"sigma": SIGMA}, ["--sigma", "25"]),
         "inpaint": (mask, "half the pixels and a 64² block per 256² missing", {}, []),
@@ -496,6 +503,7 @@ def section_tiling(args: argparse.Namespace) -> None:
             {"peak": PEAK},
             ["--peak", f"{PEAK:g}"],
         ),
+        "super-resolve": (small, "×2 from their bicubic reduction (sizes are the outputs')", {}, []),
     }
     for name in args.tiling_tasks:
         _tiling_rows(TASKS[name], *rows[name])
@@ -596,8 +604,8 @@ def main() -> None:
     parser.add_argument(
         "--tiling-tasks",
         nargs="+",
-        choices=["denoise", "inpaint", "segment", "denoise-impulse", "denoise-poisson"],
-        default=["denoise", "inpaint", "segment", "denoise-impulse", "denoise-poisson"],
+        choices=["denoise", "inpaint", "segment", "denoise-impulse", "denoise-poisson", "super-resolve"],
+        default=["denoise", "inpaint", "segment", "denoise-impulse", "denoise-poisson", "super-resolve"],
         help="the tasks of the tiling section",
     )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))

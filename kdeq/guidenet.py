@@ -324,13 +324,20 @@ def _colour_pilot(
 
 
 def upscale_pilot(
-    u: torch.Tensor, scale: int, tensors: dict[str, torch.Tensor], net: GuideNet
+    u: torch.Tensor,
+    scale: int,
+    tensors: dict[str, torch.Tensor],
+    net: GuideNet,
+    level: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The super-resolver's ``p = u + N_θ(u − ū, 1/s)`` ``(B, c, H, W)`` for the interpolated image
-    ``u`` ``(B, c, H, W)`` and the scale ``s``; see the module docstring."""
+    ``u`` ``(B, c, H, W)`` and the scale ``s``; see the module docstring. ``ū`` is each channel's
+    mean, or ``level`` ``(B, c)`` when given (a tile's whole image's, ``kdeq.tiling``)."""
+    if level is not None:  # in the opponent basis, one value per (sample, channel), sample-major
+        level = (level.to(u.dtype) @ opponent(u.shape[1], u.dtype).to(u.device).T).reshape(-1, 1, 1, 1)
 
     def one(v: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-        h = _unshuffle(v - v.mean(dim=(2, 3), keepdim=True))
+        h = _unshuffle(v - (v.mean(dim=(2, 3), keepdim=True) if level is None else level))
         h = torch.cat([h, torch.full_like(h[:, :1], 1.0 / scale)], dim=1)
         return v + _network(h, tensors, net, tuple(v.shape[-2:]))
 

@@ -86,9 +86,9 @@ def tiles(height: int, width: int, size: int, halo: int) -> list[Tile]:
 
 
 def tiled(task: Task, predictor: Predictor, request: Request, size: int) -> bool:
-    """Whether ``request`` is solved in tiles of ``size`` (0: none are): its image is larger than one
+    """Whether ``request`` is solved in tiles of ``size`` (0: none are): its output is larger than one
     ``size × size`` tile and its task solves in tiles with ``predictor``."""
-    height, width = request.image.shape[-2:]
+    height, width = task.output_size(request)
     return bool(size) and height * width > size * size and task.tile_halo(predictor) is not None
 
 
@@ -102,22 +102,26 @@ def solve_tiled(
     progress: Callable[[int], None] | None = None,
     batch_pixels: int | None = None,
 ) -> Solved:
-    """``request`` solved a tile at a time (module docstring): tiles of about ``size × size`` with
-    ``halo`` pixels around them (default: the task's ``tile_halo``), up to ``batch`` tiles of one
-    shape and ``batch_pixels`` pixels (at least one tile) per ``predict`` call; ``progress(n)`` after
-    every ``n`` tiles done (an exception it raises abandons the solve). The result's output is the
-    cores' outputs together; its iterations and residual are the largest of any tile's (a NaN
-    residual wins), and it converged (is finite) where every tile did."""
+    """``request`` solved a tile at a time (module docstring): tiles of about ``size × size`` output
+    pixels with ``halo`` input pixels around them (default: the task's ``tile_halo``), each writing
+    its core's output (``scale × scale`` output pixels per input pixel, a super-resolver's), up to
+    ``batch`` tiles of one shape and ``batch_pixels`` pixels (at least one tile) per ``predict`` call;
+    ``progress(n)`` after every ``n`` tiles done (an exception it raises abandons the solve). The
+    result's output is the cores' outputs together; its iterations and residual are the largest of
+    any tile's (a NaN residual wins), and it converged (is finite) where every tile did."""
     need = task.tile_halo(predictor)
     if need is None:
         raise ValueError(f"the {task.name} task solves whole images only; it has no tiled solve")
-    if task.output_size(request) != tuple(request.image.shape[-2:]):
-        raise ValueError(f"tiles keep an image's size; {task.name}'s output is another")
+    height, width = request.image.shape[-2:]
+    scale = task.output_size(request)[0] // height
+    if task.output_size(request) != (scale * height, scale * width):
+        raise ValueError(f"a tile's output is its input times one integer; {task.name}'s is not")
     if batch < 1:
         raise ValueError(f"the batch size is at least 1, got {batch}")
     whole = task.whole_image(predictor, request)
-    height, width = request.image.shape[-2:]
-    parts = tiles(height, width, size, need if halo is None else halo)
+    # a super-resolver's memory is its output's: its tiles are ``size`` output pixels on a side
+    side = max(4 * ALIGN, size // scale // ALIGN * ALIGN)
+    parts = tiles(height, width, side, need if halo is None else halo)
     shapes: dict[tuple[int, int], list[Tile]] = {}
     for tile in parts:
         shapes.setdefault(tile.shape, []).append(tile)
@@ -130,13 +134,15 @@ def solve_tiled(
             chunk = group[i : i + step]
             solved = solve_batch(task, predictor, [task.cut(whole, *tile.window) for tile in chunk])
             for tile, result in zip(chunk, solved, strict=True):
+                core, crop = _scaled(tile.core, scale), _scaled(tile.crop, scale)
                 if out is None:
-                    out = np.empty((result.output.shape[0], height, width), dtype=result.output.dtype)
-                out[(slice(None), *tile.core)] = result.output[(slice(None), *tile.crop)]
+                    shape = (result.output.shape[0], scale * height, scale * width)
+                    out = np.empty(shape, dtype=result.output.dtype)
+                out[(slice(None), *core)] = result.output[(slice(None), *crop)]
                 if result.uncertainty is not None:
                     if std is None:
-                        std = np.empty((height, width), dtype=np.float32)
-                    std[tile.core] = result.uncertainty.std[tile.crop]
+                        std = np.empty((scale * height, scale * width), dtype=np.float32)
+                    std[core] = result.uncertainty.std[crop]
                 stats.append(replace(result, output=out))
             if progress is not None:
                 progress(len(chunk))
@@ -150,6 +156,11 @@ def solve_tiled(
         uncertainty=None if std is None else _stitched(std, [s.uncertainty for s in stats]),
     )
     return task.whole_result(request, stitched)
+
+
+def _scaled(pixels: tuple[slice, slice], scale: int) -> tuple[slice, slice]:
+    """The output pixels of the input ``pixels`` of a task whose output is ``scale`` times its input."""
+    return tuple(slice(scale * p.start, scale * p.stop) for p in pixels)
 
 
 def _stitched(std: np.ndarray, parts: list[UncertaintyMap]) -> UncertaintyMap:

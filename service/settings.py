@@ -73,16 +73,17 @@ class Settings(BaseModel):
         4 * 2**20,
         ge=64,
         le=2**27,
-        description="largest image a model that does not solve in tiles (deblur and super-resolve) "
-        "takes (413 above): its solve's memory grows with the image",
+        description="largest image a model that does not solve in tiles (deblur's) takes (413 above): "
+        "its solve's memory grows with the image",
     )
     tile_size: int = Field(
         TILE_SIZE,
         ge=0,
         le=2**14,
         description="images of more than `KDEQ_TILE_SIZE`² pixels are solved in tiles of about this side "
-        "where the model can (`kdeq.tiling`: every task but deblur and super-resolve), so that memory "
-        "stays a tile's; 0: never (then `KDEQ_MAX_UNTILED_PIXELS` bounds every model)",
+        "where the model can (`kdeq.tiling`: every task but deblur; a super-resolver's tiles are this side "
+        "in output pixels), so that memory stays a tile's; 0: never (then `KDEQ_MAX_UNTILED_PIXELS` bounds "
+        "every model)",
     )
     max_batch_size: int | None = Field(
         None,

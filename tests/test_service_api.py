@@ -335,7 +335,7 @@ def test_pixel_limit_is_checked_from_the_header() -> None:
 def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None:
     """Tiles of 64 (``KDEQ_TILE_SIZE``): a 100×130 colour photo is cut into 6 and answered as
     ``kdeq.tiling`` answers it in process, to a grey level, and so is the inpainter's, the
-    segmenter's and the photon denoiser's (its peak from the whole output); the super-resolver, which
+    segmenter's and the photon denoiser's (its peak from the whole output); the deblurrer, which
     solves whole images only, takes at most ``KDEQ_MAX_UNTILED_PIXELS``, while the others take up to
     ``KDEQ_MAX_PIXELS``."""
     clean = np.stack([smooth_image(100, 130, seed=k) for k in range(3)], axis=-1)
@@ -345,7 +345,7 @@ def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None
         "inpaint-kglm:1",
         "segment-kglm:1",
         "denoise-poisson-kglm",
-        "super-resolve-kglm",
+        "deblur-kglm",
     )
     settings = {"tile_size": 64, "max_untiled_pixels": 64 * 64, "models": models}
     tiles: list[int] = []
@@ -395,9 +395,10 @@ def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None
         assert float(r.headers["X-KDEQ-Peak"]) == pytest.approx(expected.fields["peak"], rel=1e-5)
         served = np.asarray(decode(r.content)).astype(int)
         assert np.abs(served - to_uint8(expected.output.transpose(1, 2, 0)).astype(int)).max() <= 1
-        r = c.post("/super-resolve", files={"image": encode(image)})
+        r = c.post("/deblur", files={"image": encode(image)}, data={"psf": "gaussian:1.6"})
         assert "4096" in assert_error(r, 413, "too_many_pixels")["detail"]
-        assert c.post("/super-resolve", files={"image": encode(image[:32, :32])}).status_code == 200
+        small = encode(image[:64, :64])
+        assert c.post("/deblur", files={"image": small}, data={"psf": "gaussian:1.6"}).status_code == 200
 
 
 def test_a_tiled_solve_past_its_deadline_stops_between_tiles() -> None:

@@ -16,6 +16,7 @@ With a network (``kdeq.guidenet``, ``condition = "scale"``) the mean is its pilo
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -33,19 +34,31 @@ from kdeq.train.data import Corruption
 from kdeq.train.objectives import psnr
 
 
+def _interpolation_taps(n: int, scale: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The nonzero entries of ``interpolation_matrix(n, scale)`` as four ``(rows, columns, weights)``
+    triples, one per cubic tap (a column may repeat: the mirrored border's)."""
+    u = (torch.arange(scale * n, dtype=torch.float64) + 0.5) / scale - 0.5
+    base = torch.floor(u).long()
+    rows = torch.arange(scale * n)
+    return [(rows, mirror(base + t, n), keys_cubic(u - (base + t).double())) for t in range(-1, 3)]
+
+
 def interpolation_matrix(n: int, scale: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``U`` ``(s·n, n)``: bicubic interpolation (Keys, ``a = −0.5``) of a length-``n`` signal at the
     ``s·n`` pixel centres of the finer grid, ``u_j = (j + ½)/s − ½`` on the coarse one; samples past
     the border mirror it with the edge repeated."""
-    u = (torch.arange(scale * n, dtype=torch.float64) + 0.5) / scale - 0.5
-    base = torch.floor(u).long()
     out = torch.zeros(scale * n, n, dtype=torch.float64)
-    rows = torch.arange(scale * n)
-    for t in range(-1, 3):
-        i = base + t
-        weight = keys_cubic(u - i.double())
-        out.index_put_((rows, mirror(i, n)), weight, accumulate=True)
+    for rows, cols, weight in _interpolation_taps(n, scale):
+        out.index_put_((rows, cols), weight, accumulate=True)
     return out.to(dtype)
+
+
+def interpolation_sums(n: int, scale: int) -> torch.Tensor:
+    """``Uᵀ1`` ``(n,)`` float64: the column sums of ``interpolation_matrix(n, scale)``, without it."""
+    out = torch.zeros(n, dtype=torch.float64)
+    for _, cols, weight in _interpolation_taps(n, scale):
+        out.index_add_(0, cols, weight)
+    return out
 
 
 def degrade(x: torch.Tensor, scale: int) -> torch.Tensor:
@@ -69,16 +82,21 @@ class SuperResolver(Predictor):
     reads = frozenset({"w1"})
 
     def forward(
-        self, images: torch.Tensor, scale: int = 2, solver: SolverOverride | None = None
+        self,
+        images: torch.Tensor,
+        scale: int = 2,
+        solver: SolverOverride | None = None,
+        level: torch.Tensor | None = None,
     ) -> Prediction:
         """``images`` ``(B, c, h, w)`` → ``output`` ``(B, c, s·h, s·w)`` for ``scale`` ``s`` in
-        ``kdeq.psf.SR_SCALES``."""
+        ``kdeq.psf.SR_SCALES``; ``level`` ``(B, c)`` the interpolation's channel means that the
+        network centres on, in place of each image's own (a tile's whole image's, ``kdeq.tiling``)."""
         y = self.images(images)
         taps, offset = bicubic_taps(scale)
         op = BlurSubsample(taps.to(self.device), offset, scale, "symmetric")
         lam = self.lam(torch.zeros(y.shape[0], device=self.device))
         kernel = KernelMap(self.tensors["w1"], torch.ones_like(lam), self.config.architecture.padding)
-        pilot = self._pilot(y, scale)
+        pilot = self._pilot(y, scale, None if level is None else level.to(y))
         mean = upsample(y, scale) if pilot is None else pilot
         f, stats = solve_observed(op, kernel, y, lam, mean, self.solver(solver))
         return Prediction(f, stats, lam, pilot=pilot)
@@ -91,13 +109,30 @@ class SuperResolver(Predictor):
             raise ValueError(f"{self.name} has no network")
         return pilot
 
-    def _pilot(self, y: torch.Tensor, scale: int) -> torch.Tensor | None:
+    def _pilot(self, y: torch.Tensor, scale: int, level: torch.Tensor | None = None) -> torch.Tensor | None:
         """``p = u + N_θ(u − ū, 1/s)`` (``kdeq.guidenet.upscale_pilot``) for ``u`` the interpolation
         of ``y``, the prior mean; ``None`` without a network."""
         net = self.config.architecture.net
         if net is None:
             return None
-        return upscale_pilot(upsample(y, scale), scale, self.tensors, net)
+        return upscale_pilot(upsample(y, scale), scale, self.tensors, net, level)
+
+    def reach(self, scale: int) -> int:
+        """``ρ`` in input pixels at scale ``s``: the equation ``(A K Aᵀ + λI)α = y − A m`` at a
+        low-resolution pixel reads ``α`` within ``⌊(n − 1 + r)/s⌋`` (``A``'s ``n`` bicubic taps, ``K``'s
+        radius ``r``) and ``y`` within ``⌈(n + r + q)/s⌉ + 2`` (the mean's network reads ``q = 2·depth
+        + 1`` output pixels of the interpolation, which reads 2 input pixels around each)."""
+        n = bicubic_taps(scale)[0].numel()
+        r = self.tensors["w1"].shape[-1] // 2
+        net = self.config.architecture.net
+        q = 0 if net is None else 2 * net.depth + 1
+        return -(-(n + r + q) // scale) + 2
+
+    @property
+    def solve_reach(self) -> int:
+        """The tiles' halo, in input pixels: the largest scale's ``reach`` plus four of ``K``'s radii
+        (``Predictor.coupled_reach``: the stationary kernel's CG carries the coupling further)."""
+        return self.coupled_reach(max(self.reach(s) for s in SR_SCALES))
 
 
 class SuperResolveOptions(Options):
@@ -141,11 +176,28 @@ class SuperResolve(Task):
     def batch_key(self, request: Request) -> Hashable:
         return (request.options.scale, request.solver)
 
+    def tile_halo(self, predictor: SuperResolver) -> int:
+        """The model's ``solve_reach``."""
+        return predictor.solve_reach
+
+    def whole_image(self, predictor: SuperResolver, request: Request) -> Request:
+        """The interpolation's channel means (``level``, which the network centres on) fixed from the
+        whole image: ``ū = rᵀ y c / (s²hw)`` with ``r``, ``c`` the column sums of the two axes'
+        interpolation matrices, without interpolating the image."""
+        s = request.options.scale
+        _, h, w = request.image.shape
+        rows, cols = interpolation_sums(h, s).numpy(), interpolation_sums(w, s).numpy()
+        level = np.einsum("h,chw,w->c", rows, request.image, cols, dtype=np.float64) / (s * s * h * w)
+        return replace(request, inputs={**request.inputs, "level": level.astype(np.float32)})
+
     def arguments(
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
     ) -> tuple[tuple, dict[str, Any]]:
         first = requests[0]
-        return (images,), {"scale": first.options.scale, "solver": first.solver}
+        extra = {}
+        if "level" in first.inputs:  # tiles of one image (kdeq.tiling), never batched with others
+            extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
+        return (images,), {"scale": first.options.scale, "solver": first.solver, **extra}
 
     def warmup(self, size: int) -> Request:
         rng = np.random.default_rng(0)
