@@ -15,6 +15,8 @@
   (what the GPU uses), with cuDNN's heuristics and with ``cudnn.benchmark``.
 - ``gathers``: the guided kernel's weights and ``K x`` an offset at a time against by gathers
   (``kdeq.adaptive.GATHER_PIXELS`` chooses between them), same run, for the default denoiser.
+- ``netprecision``: the default denoiser with its guide network in float32 and in bfloat16
+  (``kdeq.netprecision``), time and the output's largest difference and PSNR, same run.
 
 Times are medians of ``--repeat`` runs after a warm-up, each ended by ``torch.cuda.synchronize``.
 Writes the Markdown tables to stdout and to ``--out``. Exits 2 without a CUDA device.
@@ -251,6 +253,46 @@ def section_gathers(args: argparse.Namespace, out: list[str], rates: dict) -> No
     torch.cuda.empty_cache()
 
 
+def section_netprecision(
+    args: argparse.Namespace, out: list[str], rates: dict, device: str = "cuda:0"
+) -> None:
+    """The default denoiser with its guide network in float32 and in bfloat16 (``kdeq.netprecision``,
+    pinned each way), same run: time per batch, and how far bfloat16 moves the output (largest
+    difference, PSNR against the clean test image). Off the CPU the choice is float32 until these
+    figures say otherwise."""
+    from kdeq import netprecision
+
+    folder = next(f for f in served() if f.parent.name == DEFAULT)
+    model = load_predictor(folder, device)
+    cuda = device.startswith("cuda")
+    out += [
+        f"\n## The guide network's precision on {device} ({folder.parent.name}:{folder.name})\n",
+        "| image | batch | float32 ms | bfloat16 ms | bfloat16 ÷ float32 | max diff | PSNR f32 / bf16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size, batch in ((256, 1), (256, 32), (512, 1), (512, 8)):
+        a, kw = inputs(model.task, batch, size, args.seed, device)
+        clean = test_image(size).to(device)
+        seconds, outputs = {}, {}
+        for name in ("float32", "bfloat16"):
+            with netprecision.choice.force(name):
+                seconds[name] = timed(functools.partial(model.predict, *a, **kw), args.repeat, cuda)
+                outputs[name] = model.predict(*a, **kw).output
+        psnr = {
+            k: -10 * torch.log10((v.clamp(0, 1) - clean).square().mean()).item() for k, v in outputs.items()
+        }
+        diff = (outputs["bfloat16"] - outputs["float32"]).abs().max().item()
+        f32, b16 = seconds["float32"], seconds["bfloat16"]
+        out.append(
+            f"| {size}² | {batch} | {f32 * 1e3:.1f} | {b16 * 1e3:.1f} | {b16 / f32:.2f} | {diff:.1e} | "
+            f"{psnr['float32']:.3f} / {psnr['bfloat16']:.3f} |"
+        )
+        print(out[-1], flush=True)
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -275,7 +317,15 @@ def main() -> None:
     }
     out = ["# bench/gpu.py", "", "```json", json.dumps(header, indent=1), "```"]
     rates: dict = {}
-    for section in (section_models, section_cpu, section_service, section_backends, section_gathers):
+    sections = (
+        section_models,
+        section_cpu,
+        section_service,
+        section_backends,
+        section_gathers,
+        section_netprecision,
+    )
+    for section in sections:
         section(args, out, rates)
     text = "\n".join(out) + "\n"
     print(text)

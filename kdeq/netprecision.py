@@ -14,7 +14,8 @@ class (device, features, and the batch and each side of the unshuffled input rou
 of two) by timing one hidden layer, a ``features → features`` 3×3 convolution on that shape, in
 each; ``bfloat16`` must be ``autotune.MARGIN`` times faster. Only float32 inputs without autograd
 are eligible: training, gradients and float64 callers keep their own arithmetic. Off the CPU the
-network runs in float32 unless pinned (a GPU's choice has not been measured).
+network runs in float32 unless pinned: a GPU's choice has not been measured yet (``bench/gpu.py``'s
+``netprecision`` section and ``tests/test_cuda.py`` will, on the next GPU machine).
 ``KDEQ_NETWORK_PRECISION`` (or ``choice.pin``, ``choice.force``) pins one option; ``kdeq train``
 pins ``float32`` unless the variable names one, so that its validation, and the checkpoint chosen
 on it, do not depend on the machine.

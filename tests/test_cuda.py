@@ -17,7 +17,7 @@ from kdeq import SOLVERS, Kernel, SolverConfig, solve
 from kdeq.conv import conv
 from kdeq.precision import ieee_float32
 from kdeq.predictor import SolverOverride
-from kdeq.repository import load_predictor
+from kdeq.repository import default_models_dir, find_model, load_predictor
 from kdeq.solvers import SPLIT_ONLY, SplitMap
 from kdeq.transforms import dct2, idct2
 from tests.helpers import predict_arguments
@@ -282,3 +282,23 @@ def _serve_with_a_device_side_assert() -> int:
 
 if __name__ == "__main__":
     raise SystemExit(_serve_with_a_device_side_assert())
+
+
+def test_the_guide_network_in_bfloat16_on_cuda_moves_the_default_denoiser_by_under_a_grey_level() -> None:
+    """Off the CPU ``kdeq.netprecision`` keeps float32 unless pinned; pinned to bfloat16 on the GPU, the
+    default denoiser's output moves by under a grey level from float32's, as on the CPU
+    (``tests/test_netprecision.py``), and its pilot really was rounded (the outputs differ)."""
+    from kdeq import netprecision
+
+    model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cuda:0")
+    args, kwargs = _batch(model.task, 3, (96, 80), 2, 3)
+    images = args[0].cuda()
+    out = {}
+    for name in netprecision.DTYPES:
+        with netprecision.choice.force(name):
+            pred = model.predict(images, **kwargs)
+        assert bool(pred.stats.converged.all())
+        out[name] = pred.output
+    diff = (out["bfloat16"] - out["float32"]).abs()
+    assert 0 < diff.max().item() < 1 / 255
+    assert netprecision.choice.pinned() in (None, "float32")  # the suite's pin, restored
