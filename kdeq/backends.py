@@ -12,12 +12,13 @@ several exact implementations whose speed depends on the machine and the shapes:
 
 On the CPU ``conv_zeros`` times the candidates (``candidates``) on the first input of a shape class
 (the batch and each side rounded up to a power of two, the channels and the filter exact), keeps the
-fastest, and logs the choice (logger ``kdeq.backends``; ``kdeq.autotune``). A backend is passed over
-for a later one (in the order above) only when that one is at least ``MARGIN`` times faster, so that
-timing noise does not flip a close choice between runs. Other devices use ``padded`` (cuDNN does its
-own benchmarking). ``KDEQ_CONV_BACKEND`` (or ``force_backend``) pins one backend for every shape;
-``auto`` measures. ``kdeq train`` pins ``prepadded`` unless the variable names a backend, so that
-its ranks and a resumed run repeat the same arithmetic.
+fastest, and logs the choice (logger ``kdeq.backends``; the rule is ``kdeq.autotune``'s). A backend
+is passed over for a later one (in the order above) only when that one is at least
+``autotune.MARGIN`` times faster, so that timing noise does not flip a close choice between runs.
+Other devices use ``padded`` (cuDNN does its own benchmarking). ``KDEQ_CONV_BACKEND`` (or
+``force_backend``) pins one backend for every shape; ``auto`` measures. ``kdeq train`` pins
+``prepadded`` unless the variable names a backend, so that its ranks and a resumed run repeat the
+same arithmetic.
 """
 
 from __future__ import annotations
