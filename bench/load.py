@@ -1,6 +1,7 @@
 """Serving overhead: a real server process under concurrent load vs the same predictor in process.
 
     .venv/bin/python bench/load.py [--seconds 10] [--clients 1 4 16 64] [--sizes 256 512] [--batch 1 8]
+        [--model NAME[:VERSION]] [--colour] [--nlm]
 
 It starts ``python -m service`` on loopback (CPU, default models; ``--batch``
 sets ``KDEQ_MAX_BATCH_SIZE``, one server per value, else the service's default applies: 1 on a CPU).
@@ -15,7 +16,11 @@ request latency ÷ in-process decode + predict + encode (≤ 1.2). Clients and
 server share this machine's cores.
 
 Images: noisy (σ = 25, seeded) Set12 images from ``../shared/data`` (01–07 are
-256², 08–12 are 512²); generated ones when the data is absent.
+256², 08–12 are 512²), or with ``--colour`` the top-left ``size``² of the first three Kodak24
+images; generated ones when the data is absent. The model is ``--model`` (``denoise-kglm:1`` by
+default, the one the service issue's figures used) in process and on the server. ``--nlm`` also
+times scikit-image's non-local means on the same noisy images in this process (``.venv-bench``),
+σ given, and prints each p50 ÷ its time.
 """
 
 from __future__ import annotations
@@ -39,26 +44,35 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from kdeq.cli import test_image  # noqa: E402
-from kdeq.repository import find_model, load_predictor  # noqa: E402
+from kdeq.repository import find_reference, load_predictor  # noqa: E402
 from service.decode import decode_image  # noqa: E402
 from service.encode import encode_png  # noqa: E402
 
 SET12 = ROOT.parent / "shared" / "data" / "Set12"
+KODAK = ROOT.parent / "shared" / "data" / "Kodak24"
 BOUNDARY = "kdeqbench"
 
 
-def images(size: int, seed: int) -> tuple[list[bytes], str]:
-    """Noisy PNGs of ``size``², and where they came from."""
-    files = sorted(SET12.glob("*.png")) if SET12.is_dir() else []
-    picked = [f for f in files if Image.open(f).size == (size, size)]
+def images(size: int, seed: int, colour: bool = False) -> tuple[list[bytes], str]:
+    """Noisy PNGs of ``size``² (grey, or ``colour``), and where they came from."""
     rng = np.random.default_rng(seed)
-    if picked:
+    if colour:
+        files = sorted(KODAK.glob("*.png"))[:3] if KODAK.is_dir() else []
+        clean = [
+            np.asarray(Image.open(f).convert("RGB"), dtype=np.float64)[:size, :size] / 255 for f in files
+        ]
+        source = f"Kodak24 {', '.join(f.name for f in files)}, top-left {size}²"
+    else:
+        files = sorted(SET12.glob("*.png")) if SET12.is_dir() else []
+        picked = [f for f in files if Image.open(f).size == (size, size)]
         clean = [np.asarray(Image.open(f).convert("L"), dtype=np.float64) / 255 for f in picked]
         source = f"Set12 {', '.join(f.name for f in picked)}"
-    else:
-        clean = [test_image(size)[0, 0].double().numpy()]
+    if not clean:
+        grey = test_image(size)[0, 0].double().numpy()
+        clean = [np.stack([grey, grey.T, 1 - grey], axis=-1) if colour else grey]
         source = "generated"
     out = []
     for c in clean:
@@ -69,9 +83,23 @@ def images(size: int, seed: int) -> tuple[list[bytes], str]:
     return out, source
 
 
-def in_process(pngs: list[bytes], seconds: float) -> tuple[float, float, float]:
-    """(images/s of decode+predict+encode, mean seconds of that, mean seconds of predict alone)."""
-    model = load_predictor(find_model(ROOT / "models", "denoise-kglm", 1), "cpu")
+def nlm_seconds(pngs: list[bytes]) -> float:
+    """Mean seconds of scikit-image's non-local means (``bench/baselines.py``, σ = 25 given) on the
+    decoded ``pngs``, after a warm-up."""
+    import baselines
+
+    noisy = [np.asarray(Image.open(io.BytesIO(p)), dtype=np.float64) / 255 for p in pngs]
+    baselines.nlm_skimage(noisy[0], 25.0)
+    start = time.perf_counter()
+    for n in noisy:
+        baselines.nlm_skimage(n, 25.0)
+    return (time.perf_counter() - start) / len(noisy)
+
+
+def in_process(pngs: list[bytes], seconds: float, ref: str) -> tuple[float, float, float]:
+    """(images/s of decode+predict+encode, mean seconds of that, mean seconds of predict alone), for
+    the model ``ref`` (``NAME[:VERSION]``)."""
+    model = load_predictor(find_reference(ROOT / "models", ref), "cpu")
     full, predict = [], []
     end = time.monotonic() + seconds
     i = 0
@@ -88,10 +116,10 @@ def in_process(pngs: list[bytes], seconds: float) -> tuple[float, float, float]:
     return len(full) / sum(full), statistics.mean(full), statistics.mean(predict)
 
 
-def batch_cost(pngs: list[bytes], sizes: list[int], repeats: int = 3) -> dict[int, float]:
+def batch_cost(pngs: list[bytes], sizes: list[int], ref: str, repeats: int = 3) -> dict[int, float]:
     """Per-image ``predict`` time of a batch of ``B`` ÷ that of a batch of one, for each ``B``
-    (best of ``repeats``; the batch cycles through ``pngs``)."""
-    model = load_predictor(find_model(ROOT / "models", "denoise-kglm", 1), "cpu")
+    (best of ``repeats``; the batch cycles through ``pngs``), for the model ``ref``."""
+    model = load_predictor(find_reference(ROOT / "models", ref), "cpu")
     pixels = [decode_image(p, "image", 1 << 26).pixels for p in pngs]
     per_image = {}
     for b in sorted({1, *sizes}):
@@ -209,6 +237,9 @@ def main() -> None:
         "in-process measurement (default: the service's own)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="denoise-kglm:1", metavar="NAME[:VERSION]")
+    parser.add_argument("--colour", action="store_true", help="colour images (Kodak24 crops)")
+    parser.add_argument("--nlm", action="store_true", help="scikit-image NLM's time beside (.venv-bench)")
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[2, 4, 8], help="in-process batch costs"
     )
@@ -216,7 +247,7 @@ def main() -> None:
     batches: list[int | None] = list(args.batch) if args.batch else [None]
     print(
         f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), model denoise-kglm:1 on cpu, σ=25 estimated per image, "
+        f"({torch.get_num_threads()} threads), model {args.model} on cpu, σ=25 estimated per image, "
         f"seed {args.seed}, {args.seconds:g} s per point, server batch ≤ "
         + ", ".join(str(b) if b else "default (1 on CPU)" for b in batches)
     )
@@ -225,21 +256,24 @@ def main() -> None:
     try:
         for batch in batches:
             port = free_port()
-            servers[batch] = (port, start_server(port, batch, max(args.clients)))
+            servers[batch] = (port, start_server(port, batch, max(args.clients), model=args.model))
         for size in args.sizes:
-            pngs, source = images(size, args.seed)
+            pngs, source = images(size, args.seed, args.colour)
             bodies = [multipart(p) for p in pngs]
             for port, _ in servers.values():
                 drive(port, bodies, 1, 1.0)  # warm the server's allocator for this size
             print(f"\n{size}×{size} ({source})")
-            ratios = batch_cost(pngs, args.batch_sizes)
+            ratios = batch_cost(pngs, args.batch_sizes, args.model)
+            nlm = nlm_seconds(pngs) if args.nlm else None
+            if nlm is not None:
+                print(f"  scikit-image NLM {nlm * 1e3:.0f} ms per image")
             print(
                 "  in-process batch of B, per-image time ÷ batch of 1: "
                 + ", ".join(f"B={b} {r:.2f}×" for b, r in ratios.items())
             )
             for clients in args.clients:
                 # the in-process baseline is measured right before the server points: the machine drifts
-                rate, full, predict = in_process(pngs, args.seconds)
+                rate, full, predict = in_process(pngs, args.seconds, args.model)
                 print(
                     f"  in process {rate:.2f} img/s, decode+predict+encode {full * 1e3:.0f} ms "
                     f"(predict {predict * 1e3:.0f} ms)"
@@ -248,10 +282,11 @@ def main() -> None:
                     done, elapsed, lat, errors = drive(port, bodies, clients, args.seconds)
                     q = np.quantile(lat, [0.5, 0.99]) if lat else [float("nan")] * 2
                     thr = done / elapsed
-                    rows.append((size, clients, batch or 1, rate, full, thr, q[0], q[1], errors))
+                    rows.append((size, clients, batch or 1, rate, full, thr, q[0], q[1], errors, nlm))
+                    vs_nlm = "" if nlm is None else f", p50 ÷ NLM {q[0] / nlm:.2f}"
                     print(
                         f"    batch ≤ {batch or 1}, {clients:>2} clients: {thr:.2f} img/s "
-                        f"({thr / rate:.2f}×), p50 {q[0] * 1e3:.0f} ms ({q[0] / full:.2f}×), "
+                        f"({thr / rate:.2f}×), p50 {q[0] * 1e3:.0f} ms ({q[0] / full:.2f}×{vs_nlm}), "
                         f"p99 {q[1] * 1e3:.0f} ms, {errors} errors",
                         flush=True,
                     )
@@ -262,12 +297,14 @@ def main() -> None:
     print(
         "\n| size | clients | server batch ≤ | in-process img/s | server img/s | ratio "
         "| in-process request ms | p50 ms | p50 ratio | p99 ms | errors |"
+        + (" p50 ÷ NLM |" if args.nlm else "")
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for size, clients, batch, rate, full, thr, p50, p99, errors in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if args.nlm else ""))
+    for size, clients, batch, rate, full, thr, p50, p99, errors, nlm in rows:
         print(
             f"| {size}² | {clients} | {batch} | {rate:.2f} | {thr:.2f} | {thr / rate:.2f} | "
             f"{full * 1e3:.0f} | {p50 * 1e3:.0f} | {p50 / full:.2f} | {p99 * 1e3:.0f} | {errors} |"
+            + ("" if nlm is None else f" {p50 / nlm:.2f} |")
         )
 
 
