@@ -339,7 +339,7 @@ class ImpulseDenoiser(Denoiser):
         """``RobustDenoiser.reach`` at its defaults, on this checkpoint's kernel and network; also the
         tiles' halo (``Denoiser.solve_reach``): an impulse is filled from its neighbours, so the solution
         couples no further than the guided denoiser's (``tests/test_tiling.py`` finds tiles within
-        3·10⁻⁶ of the whole image at this halo with 10 %, 30 % and 50 % of the pixels impulses)."""
+        4·10⁻⁶ of the whole image at this halo with 10 %, 30 % and 50 % of the pixels impulses)."""
         return RobustDenoiser(self).reach
 
     def forward(
