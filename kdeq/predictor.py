@@ -242,8 +242,8 @@ class Predictor:
         """The halo a tile of a convolution-kernel model needs for its core's *solution* to match the
         whole image's to the solver's tolerance: its equations' ``reach`` plus four radii of the kernel
         ``w1``. The equilibrium couples pixels through the resolvent ``(K + λI)⁻¹`` beyond ``reach``
-        (``tests/test_tiling.py`` measures the stationary denoiser, the inpainters and the segmenters
-        at this halo)."""
+        (``tests/test_tiling.py`` measures the stationary denoiser, the inpainters, the segmenters and
+        the super-resolver at this halo)."""
         return reach + 4 * (self.tensors["w1"].shape[-1] // 2)
 
     def solver(self, override: SolverOverride | None) -> SolverConfig:
