@@ -415,6 +415,15 @@ def check_index_level(level: float, task: str, field: str, choices: Sequence[obj
         )
 
 
+def tile_level(requests: Sequence[Request]) -> dict[str, torch.Tensor]:
+    """``{"level": (B, c)}``: the channel means ``Task.whole_image`` fixed in tiles of one image
+    (``kdeq.tiling``, never batched with other images), as the predictor's ``level``; ``{}`` for
+    whole images."""
+    if "level" not in requests[0].inputs:
+        return {}
+    return {"level": torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))}
+
+
 def noise_levels(requests: Sequence[Request]) -> list[float] | None:
     """The batch's given noise levels (the option ``sigma``, 0–255), or ``None`` where they are to be
     estimated; a batch agrees on which (its tasks' ``batch_key``)."""

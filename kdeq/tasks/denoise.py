@@ -13,7 +13,7 @@ from kdeq.checkpoint import ModelSpec
 from kdeq.denoise import Denoiser
 from kdeq.predictor import Prediction
 from kdeq.tasks import register_task
-from kdeq.tasks.base import NoiseLevel, Options, Request, ResultField, Task, noise_levels
+from kdeq.tasks.base import NoiseLevel, Options, Request, ResultField, Task, noise_levels, tile_level
 from kdeq.train.data import Corruption, uniform
 
 
@@ -64,9 +64,7 @@ class Denoise(Task):
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
     ) -> tuple[tuple, dict[str, Any]]:
         first = requests[0]
-        extra: dict = {} if sizes is None else {"sizes": sizes}
-        if "level" in first.inputs:  # tiles of one image (kdeq.tiling), never batched with others
-            extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
+        extra = ({} if sizes is None else {"sizes": sizes}) | tile_level(requests)
         return (images,), {"sigma": noise_levels(requests), "solver": first.solver, **extra}
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:

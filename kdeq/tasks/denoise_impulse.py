@@ -12,7 +12,7 @@ import torch
 from kdeq.predictor import Prediction
 from kdeq.robust import ImpulseDenoiser, off_end_means, robust_sigma
 from kdeq.tasks import register_task
-from kdeq.tasks.base import Request, Task, Variant, noise_levels
+from kdeq.tasks.base import Request, Task, Variant, noise_levels, tile_level
 from kdeq.tasks.denoise import Denoise, DenoiseOptions
 
 
@@ -55,10 +55,11 @@ class DenoiseImpulse(Task):
     def arguments(
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
     ) -> tuple[tuple, dict[str, Any]]:
-        extra = {}
-        if "level" in requests[0].inputs:  # tiles of one image (kdeq.tiling), never batched with others
-            extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
-        return (images,), {"sigma": noise_levels(requests), "solver": requests[0].solver, **extra}
+        return (images,), {
+            "sigma": noise_levels(requests),
+            "solver": requests[0].solver,
+            **tile_level(requests),
+        }
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
         return prediction.output[index], {"sigma": float(prediction.sigma[index])}

@@ -13,7 +13,7 @@ from kdeq.checkpoint import ModelSpec
 from kdeq.inpaint import Inpainter
 from kdeq.predictor import SolverOverride, pad_images
 from kdeq.tasks import register_task
-from kdeq.tasks.base import FileInput, InputError, Options, Request, Task, check_index_level
+from kdeq.tasks.base import FileInput, InputError, Options, Request, Task, check_index_level, tile_level
 from kdeq.train.data import Corruption, make_mask
 from kdeq.train.objectives import psnr
 
@@ -95,9 +95,7 @@ class Inpaint(Task):
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
     ) -> tuple[tuple, dict[str, Any]]:
         missing, _ = pad_images([torch.from_numpy(r.inputs["missing"]) for r in requests])
-        extra: dict = {} if sizes is None else {"sizes": sizes}
-        if "level" in requests[0].inputs:  # tiles of one image (kdeq.tiling), never batched with others
-            extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
+        extra = ({} if sizes is None else {"sizes": sizes}) | tile_level(requests)
         return (images, missing), {"solver": requests[0].solver, **extra}
 
     def warmup(self, size: int) -> Request:

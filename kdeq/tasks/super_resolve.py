@@ -29,7 +29,7 @@ from kdeq.operators import BlurSubsample, KernelMap, mirror, solve_observed
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.psf import SR_SCALES, bicubic_taps, keys_cubic
 from kdeq.tasks import register_task
-from kdeq.tasks.base import Options, Request, Task, shared_value
+from kdeq.tasks.base import Options, Request, Task, shared_value, tile_level
 from kdeq.train.data import Corruption
 from kdeq.train.objectives import psnr
 
@@ -194,10 +194,7 @@ class SuperResolve(Task):
         self, images: torch.Tensor, requests: Sequence[Request], sizes: list[tuple[int, int]] | None
     ) -> tuple[tuple, dict[str, Any]]:
         first = requests[0]
-        extra = {}
-        if "level" in first.inputs:  # tiles of one image (kdeq.tiling), never batched with others
-            extra["level"] = torch.from_numpy(np.stack([r.inputs["level"] for r in requests]))
-        return (images,), {"scale": first.options.scale, "solver": first.solver, **extra}
+        return (images,), {"scale": first.options.scale, "solver": first.solver, **tile_level(requests)}
 
     def warmup(self, size: int) -> Request:
         rng = np.random.default_rng(0)
