@@ -1,6 +1,7 @@
 """Tiled solves (``kdeq.tiling``): the tiles' geometry, the denoiser's reach, and tiled against
 untiled results."""
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -102,6 +103,43 @@ def equations(model: Denoiser, y: torch.Tensor, at: tuple[int, int]) -> torch.Te
         return torch.cat([p[0, :, at[0], at[1]] for p in parts])
 
 
+def shifted(x: torch.Tensor, pixel: tuple[int, int], by: float) -> torch.Tensor:
+    """A copy of ``x`` ``(…, H, W)`` with ``by`` added at ``pixel`` in every channel."""
+    moved = x.clone()
+    moved[..., pixel[0], pixel[1]] += by
+    return moved
+
+
+def added(by: float) -> Callable[[tuple, tuple[int, int]], list[tuple]]:
+    """The perturbation (``assert_reach``) that adds ``by`` at the pixel to the first input."""
+
+    def perturbed(inputs: tuple, pixel: tuple[int, int]) -> list[tuple]:
+        return [(shifted(inputs[0], pixel, by), *inputs[1:])]
+
+    return perturbed
+
+
+def assert_reach(
+    equation: Callable[..., torch.Tensor],
+    inputs: tuple,
+    rho: int,
+    at: tuple[int, int],
+    perturbed: Callable[[tuple, tuple[int, int]], Iterable[tuple]],
+    near: tuple[int, ...] = (1,),
+) -> None:
+    """``equation(*inputs)``, what the pixel ``at`` reads, is bit for bit unchanged by each perturbation
+    ``perturbed(inputs, pixel)`` yields at ∞-distance ``ρ + 1`` and ``ρ + 7`` from ``at`` (to its right
+    and above it), and changed by each at the distances ``near``. A direct convolution throughout: the
+    reach is the operator's, and the fft backend (which conv_zeros may time fastest for a large filter
+    on a loaded machine) rounds every output with every input."""
+    with backends.force_backend("prepadded"):
+        base = equation(*inputs)
+        for distance, unchanged in [(rho + 1, True), (rho + 7, True), *((d, False) for d in near)]:
+            for dr, dc in ((0, distance), (-distance, 0)):
+                for moved in perturbed(inputs, (at[0] + dr, at[1] + dc)):
+                    assert torch.equal(equation(*moved), base) == unchanged, (dr, dc)
+
+
 @pytest.mark.parametrize("name", ["denoise-kglm", "denoise-stationary-kglm"])
 def test_a_pixel_s_equation_reads_nothing_beyond_the_reach(name) -> None:
     """Perturb one pixel at ∞-distance ``ρ + 1`` or more from ``x``: ``x``'s equation is bit for bit
@@ -111,17 +149,14 @@ def test_a_pixel_s_equation_reads_nothing_beyond_the_reach(name) -> None:
     rho = model.reach
     y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=True))[None]
     at = (rho + 4, 3)
-    # a direct convolution: the reach is the operator's, and the fft backend (which conv_zeros may
-    # time fastest for a large filter on a loaded machine) rounds every output with every input
-    with backends.force_backend("prepadded"):
-        base = equations(model, y, at)
-        for distance, unchanged in [(rho + 1, True), (rho + 7, True), (rho // 2, False), (1, False)]:
-            moved = y.clone()
-            moved[..., at[0], at[1] + distance] += 0.5
-            assert torch.equal(equations(model, moved, at), base) == unchanged, distance
-            moved = y.clone()
-            moved[..., at[0] - distance, at[1]] += 0.5
-            assert torch.equal(equations(model, moved, at), base) == unchanged, -distance
+    assert_reach(
+        lambda v: equations(model, v, at),
+        (y,),
+        rho,
+        at,
+        added(0.5),
+        near=(rho // 2, 1),
+    )
 
 
 # ---------------------------------------------------------------------------- tiled against untiled
@@ -317,17 +352,13 @@ def test_an_inpainted_pixel_s_equation_reads_nothing_beyond_the_reach(version) -
     missing[..., ::3, ::2] = True
     level = torch.full((1, 3), 0.5)
     at = (rho + 4, 3)
-    with backends.force_backend("prepadded"):
-        base = inpaint_equation(model, y, missing, level, at)
-        for distance, unchanged in [(rho + 1, True), (rho + 7, True), (1, False)]:
-            for dr, dc in ((0, distance), (-distance, 0)):
-                moved, flipped = y.clone(), missing.clone()
-                moved[..., at[0] + dr, at[1] + dc] += 0.5
-                flipped[..., at[0] + dr, at[1] + dc] = ~flipped[..., at[0] + dr, at[1] + dc]
-                assert torch.equal(inpaint_equation(model, moved, flipped, level, at), base) == unchanged, (
-                    dr,
-                    dc,
-                )
+
+    def perturbed(inputs: tuple, pixel: tuple[int, int]) -> list[tuple]:
+        flipped = inputs[1].clone()
+        flipped[..., pixel[0], pixel[1]] = ~flipped[..., pixel[0], pixel[1]]
+        return [(shifted(inputs[0], pixel, 0.5), flipped)]
+
+    assert_reach(lambda v, m: inpaint_equation(model, v, m, level, at), (y, missing), rho, at, perturbed)
 
 
 @pytest.mark.parametrize("version", [1, 3])
@@ -397,13 +428,7 @@ def test_a_segmented_pixel_s_equation_reads_nothing_beyond_the_reach(version) ->
     rho = model.reach
     y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=True, sigma=60.0))[None]
     at = (rho + 4, 3)
-    with backends.force_backend("prepadded"):
-        base = segment_equation(model, y, at)
-        for distance, unchanged in [(rho + 1, True), (rho + 7, True), (1, False)]:
-            for dr, dc in ((0, distance), (-distance, 0)):
-                moved = y.clone()
-                moved[..., at[0] + dr, at[1] + dc] += 100.0
-                assert torch.equal(segment_equation(model, moved, at), base) == unchanged, (dr, dc)
+    assert_reach(lambda v: segment_equation(model, v, at), (y,), rho, at, added(100.0))
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -467,17 +492,15 @@ def test_an_impulse_denoised_pixel_s_equation_reads_nothing_beyond_the_reach() -
     assert rho == robust.reach > shipped("denoise-kglm", 2).reach
     y = torch.from_numpy(salted(noisy(2 * rho + 12, 2 * rho + 12, colour=True), 0.1, 0))[None]
     at = (rho + 4, 3)
-    with backends.force_backend("prepadded"):
-        base = impulse_equation(robust, y, at)
-        for distance, unchanged in [(rho + 1, True), (rho + 7, True), (1, False)]:
-            for dr, dc in ((0, distance), (-distance, 0)):
-                for value in (0.0, 1.0, 0.37):
-                    moved = y.clone()
-                    moved[..., at[0] + dr, at[1] + dc] = value
-                    if torch.equal(moved, y):
-                        continue
-                    same = torch.equal(impulse_equation(robust, moved, at), base)
-                    assert same == unchanged, (dr, dc, value)
+
+    def perturbed(inputs: tuple, pixel: tuple[int, int]) -> Iterator[tuple]:
+        for value in (0.0, 1.0, 0.37):
+            moved = inputs[0].clone()
+            moved[..., pixel[0], pixel[1]] = value
+            if not torch.equal(moved, inputs[0]):  # a pixel already at that value is no perturbation
+                yield (moved,)
+
+    assert_reach(lambda v: impulse_equation(robust, v, at), (y,), rho, at, perturbed)
 
 
 @pytest.mark.parametrize(("sigma", "rate"), [(25.0, 0.1), (None, 0.1), (25.0, 0.5)])
@@ -547,13 +570,7 @@ def test_a_photon_count_s_equation_reads_nothing_beyond_the_reach() -> None:
     y = torch.from_numpy(counts(2 * rho + 12, 2 * rho + 12, 20.0, 0))[None]
     whole = WholeImage.of(y)
     at = (rho + 4, 3)
-    with backends.force_backend("prepadded"):
-        base = photon_equation(model, y, whole, at)
-        for distance, unchanged in [(rho + 1, True), (rho + 7, True), (1, False)]:
-            for dr, dc in ((0, distance), (-distance, 0)):
-                moved = y.clone()
-                moved[..., at[0] + dr, at[1] + dc] += 7.0
-                assert torch.equal(photon_equation(model, moved, whole, at), base) == unchanged, (dr, dc)
+    assert_reach(lambda v: photon_equation(model, v, whole, at), (y,), rho, at, added(7.0))
 
 
 @pytest.mark.parametrize("peak", [None, 30.0])
@@ -618,13 +635,7 @@ def test_a_low_resolution_pixel_s_equation_reads_nothing_beyond_the_reach(scale)
     rho = model.reach(scale)
     y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=True, sigma=5.0))[None]
     at = (rho + 4, 3)
-    with backends.force_backend("prepadded"):
-        base = sr_equation(model, y, scale, at)
-        for distance, unchanged in [(rho + 1, True), (rho + 7, True), (1, False)]:
-            for dr, dc in ((0, distance), (-distance, 0)):
-                moved = y.clone()
-                moved[..., at[0] + dr, at[1] + dc] += 0.5
-                assert torch.equal(sr_equation(model, moved, scale, at), base) == unchanged, (dr, dc)
+    assert_reach(lambda v: sr_equation(model, v, scale, at), (y,), rho, at, added(0.5))
 
 
 @pytest.mark.parametrize("scale", [2, 3])
