@@ -75,6 +75,19 @@ def quantile(x: torch.Tensor, q: float) -> torch.Tensor:
     return flat.kthvalue(k, dim=1).values
 
 
+def guide_bright(counts: torch.Tensor) -> torch.Tensor:
+    """The guide's scale ``P`` ``(B,)``: ``GUIDE_QUANTILE`` of each image of ``counts`` ``(B, c, H, W)``,
+    at least one photon."""
+    return quantile(counts, GUIDE_QUANTILE).clamp(min=1.0)
+
+
+def full_scale(estimate: torch.Tensor) -> torch.Tensor:
+    """The counts shown as white when no peak is given, ``(B,)``: ``PEAK_QUANTILE`` of each rate
+    estimate ``(B, c, H, W)``, at least one photon (a frame that caught (almost) none shows dark, not
+    its noise as white)."""
+    return quantile(estimate, PEAK_QUANTILE).clamp(min=1.0)
+
+
 @dataclass(frozen=True)
 class WholeImage:
     """What a tile of an image of counts takes from its whole image (``kdeq.tiling``): the guide's
@@ -88,7 +101,7 @@ class WholeImage:
     @classmethod
     def of(cls, counts: torch.Tensor) -> WholeImage:
         """The statistics of one image of ``counts`` ``(1, c, H, W)`` (``PhotonDenoiser.stabilised``)."""
-        bright = quantile(counts, GUIDE_QUANTILE).clamp(min=1.0)
+        bright = guide_bright(counts)
         span = anscombe(bright) - ANSCOMBE_ZERO
         rows = counts.shape[-2]
         # the stabilised image's channel sums in float64, a band of rows at a time: a float64 copy
@@ -117,7 +130,7 @@ class PhotonDenoiser(Denoiser):
         ``counts`` ``(B, c, H, W)`` (module docstring); ``P`` is ``bright`` ``(B,)`` where given (a
         tile's whole image's, ``kdeq.tiling``), else ``GUIDE_QUANTILE`` of the counts, at least 1."""
         if bright is None:
-            bright = quantile(counts, GUIDE_QUANTILE).clamp(min=1.0)
+            bright = guide_bright(counts)
         span = anscombe(bright) - ANSCOMBE_ZERO
         u = (anscombe(counts) - ANSCOMBE_ZERO) / span.reshape(-1, 1, 1, 1)
         return u, 1.0 / span, span
@@ -196,8 +209,7 @@ class PhotonDenoiser(Denoiser):
         """The full-scale counts ``(B,)``: ``peak`` as given (positive and finite), or ``PEAK_QUANTILE``
         of each ``estimate`` ``(B, c, H, W)``, at least 1."""
         if peak is None:
-            # at least one photon: a frame that caught (almost) none shows dark, not its noise as white
-            return quantile(estimate, PEAK_QUANTILE).clamp(min=1.0)
+            return full_scale(estimate)
         p = torch.as_tensor(peak, dtype=estimate.dtype, device=estimate.device).reshape(-1)
         if p.numel() == 1:
             p = p.expand(estimate.shape[0])

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from kdeq.photon import PEAK_QUANTILE, PhotonDenoiser, WholeImage, quantile
+from kdeq.photon import PhotonDenoiser, WholeImage, full_scale
 from kdeq.predictor import Prediction
 from kdeq.tasks import register_task
 from kdeq.tasks.base import InputError, Options, Request, ResultField, Solved, Task, Variant
@@ -74,11 +74,11 @@ class DenoisePoisson(Task):
         return replace(request, options=options, inputs={**request.inputs, "whole": whole})
 
     def whole_result(self, request: Request, solved: Solved) -> Solved:
-        """Without a given peak: the whole estimate's ``PEAK_QUANTILE`` (at least one photon) as full
-        scale, as an untiled solve takes it, the output and its uncertainty divided by it."""
+        """Without a given peak: the output and its uncertainty divided by the whole estimate's
+        ``full_scale`` (``kdeq.photon``), as an untiled solve divides them."""
         if request.options.peak is not None:
             return solved
-        peak = float(quantile(torch.from_numpy(solved.output)[None], PEAK_QUANTILE).clamp(min=1.0))
+        peak = float(full_scale(torch.from_numpy(solved.output)[None]))
         std = solved.uncertainty
         if std is not None:
             std = replace(std, std=std.std / np.float32(peak))
