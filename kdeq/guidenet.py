@@ -270,6 +270,15 @@ def _per_opponent_channel(
     return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))
 
 
+def _per_opponent_level(level: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor | None:
+    """The channel means ``level`` ``(B, c)`` of images like ``y`` ``(B, c, H, W)`` in the opponent
+    basis, as ``_per_opponent_channel`` hands its channels to ``fn``: one value per (sample, channel),
+    sample-major, ``(B·c, 1, 1, 1)``; ``None`` stays ``None``."""
+    if level is None:
+        return None
+    return (level.to(y.dtype) @ opponent(y.shape[1], y.dtype).to(y.device).T).reshape(-1, 1, 1, 1)
+
+
 def network_input(u: torch.Tensor, sigma: torch.Tensor, level: torch.Tensor | None = None) -> torch.Tensor:
     """The denoiser's network input ``(N, 4k + 1, ⌈H/2⌉, ⌈W/2⌉)`` for images ``u`` ``(N, k, H, W)`` at
     noise levels ``σ`` ``(N,)`` or ``(N, 1, 1, 1)`` in [0, 1] units: each channel of ``u`` less its mean
@@ -294,8 +303,7 @@ def pilot(
     if net.colour_channels is not None and y.shape[1] == 3:
         return _colour_pilot(y, base, sigma, tensors, net, level)
     s = sigma.to(y.dtype).repeat_interleave(y.shape[1]).reshape(-1, 1, 1, 1)
-    if level is not None:  # in the opponent basis, one value per (sample, channel), sample-major
-        level = (level.to(y.dtype) @ opponent(y.shape[1], y.dtype).to(y.device).T).reshape(-1, 1, 1, 1)
+    level = _per_opponent_level(level, y)
 
     def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
         h = network_input(u, s, level)
@@ -333,8 +341,7 @@ def upscale_pilot(
     """The super-resolver's ``p = u + N_θ(u − ū, 1/s)`` ``(B, c, H, W)`` for the interpolated image
     ``u`` ``(B, c, H, W)`` and the scale ``s``; see the module docstring. ``ū`` is each channel's
     mean, or ``level`` ``(B, c)`` when given (a tile's whole image's, ``kdeq.tiling``)."""
-    if level is not None:  # in the opponent basis, one value per (sample, channel), sample-major
-        level = (level.to(u.dtype) @ opponent(u.shape[1], u.dtype).to(u.device).T).reshape(-1, 1, 1, 1)
+    level = _per_opponent_level(level, u)
 
     def one(v: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
         h = _unshuffle(v - (v.mean(dim=(2, 3), keepdim=True) if level is None else level))
@@ -357,8 +364,7 @@ def inpaint_pilot(
     each channel's mean over ``M`` (every image then needs an observed pixel), or ``level`` ``(B, c)``
     when given (a tile's whole image's, ``kdeq.tiling``)."""
     m = observed.to(y.dtype).repeat_interleave(y.shape[1], dim=0)
-    if level is not None:  # in the opponent basis, one value per (sample, channel), sample-major
-        level = (level.to(y.dtype) @ opponent(y.shape[1], y.dtype).to(y.device).T).reshape(-1, 1, 1, 1)
+    level = _per_opponent_level(level, y)
 
     def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
         centre = level
