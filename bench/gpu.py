@@ -258,8 +258,8 @@ def section_netprecision(
 ) -> None:
     """The default denoiser with its guide network in float32 and in bfloat16 (``kdeq.netprecision``,
     pinned each way), same run: time per batch, and how far bfloat16 moves the output (largest
-    difference, PSNR against the clean test image). Off the CPU the choice is float32 until these
-    figures say otherwise."""
+    difference, PSNR against the clean test image). Off the CPU the choice is float32: these figures
+    are what it rests on."""
     from kdeq import netprecision
 
     folder = next(f for f in served() if f.parent.name == DEFAULT)

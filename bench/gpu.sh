@@ -4,6 +4,7 @@
 #
 #   bench/gpu.sh                    # the README's setup into .venv (when missing), then both
 #   PYTHON=python3 bench/gpu.sh     # an interpreter that already has torch with CUDA and kdeq's needs
+#   bench/gpu.sh --seconds 3 --repeat 3   # arguments go to bench/gpu.py (a shorter run)
 #
 # Installs nothing beyond the README's setup (`pip install -c constraints.txt -e '.[dev]'`), and
 # that only when no PYTHON is given and .venv is missing. Writes bench/out/gpu-<time>/ (or under $OUT
@@ -21,7 +22,7 @@ nvidia-smi >"$out/nvidia-smi.txt" 2>&1
 "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "bench/gpu.sh: torch sees no CUDA device")' || exit 2
 "$PYTHON" -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$out/cuda-suite.txt"
 suite=${PIPESTATUS[0]}
-"$PYTHON" bench/gpu.py --out "$out/results.md"
+"$PYTHON" bench/gpu.py --out "$out/results.md" "$@"
 bench=$?
 echo "results in $out (suite exit $suite, benchmark exit $bench)"
 [ "$suite" -eq 0 ] && [ "$bench" -eq 0 ]

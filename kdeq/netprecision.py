@@ -14,8 +14,9 @@ class (device, features, and the batch and each side of the unshuffled input rou
 of two) by timing one hidden layer, a ``features → features`` 3×3 convolution on that shape, in
 each; ``bfloat16`` must be ``autotune.MARGIN`` times faster. Only float32 inputs without autograd
 are eligible: training, gradients and float64 callers keep their own arithmetic. Off the CPU the
-network runs in float32 unless pinned: a GPU's choice has not been measured yet (``bench/gpu.py``'s
-``netprecision`` section and ``tests/test_cuda.py`` will, on the next GPU machine).
+network runs in float32 unless pinned: on an H100 (``bench/gpu.py``'s ``netprecision`` section,
+docs/BENCHMARKS.md) bfloat16 saved nothing at batch 1, where the solve is bound by kernel launches,
+and 15 % at batch 8–32, too little to give up float32's agreement with the CPU.
 ``KDEQ_NETWORK_PRECISION`` (or ``choice.pin``, ``choice.force``) pins one option; ``kdeq train``
 pins ``float32`` unless the variable names one, so that its validation, and the checkpoint chosen
 on it, do not depend on the machine.
