@@ -37,6 +37,10 @@ Sections (all by default; each prints a Markdown table):
   largest difference) where both fit, then ``kdeq TASK`` on each mosaic's PNG in a fresh process: its
   peak resident memory and time.
 
+- ``png``: the default denoiser's outputs on the ``models`` images written as PNG by Pillow at
+  zlib level 1 (the service's and CLI's writer before ``kdeq.png``) and by ``kdeq.png``, same run:
+  time and size.
+
 GPU figures come from ``bench/gpu.sh`` (``bench/gpu.py``), which runs the CUDA suite first.
 
 Times are the best of ``--repeat`` runs after a warm-up, with torch's default threads. Needs
@@ -571,6 +575,49 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
                 )
 
 
+def section_png(args: argparse.Namespace) -> None:
+    """The default denoiser's outputs (σ = 25 noise, given) on the models section's images, written as
+    PNG by Pillow at zlib level 1 (what the service and CLI did before ``kdeq.png``) and by
+    ``kdeq.png``, alternated in one loop: the better median time of each, and the file sizes."""
+    import io
+
+    from PIL import Image
+
+    from kdeq import png
+
+    model = load_predictor(find_model(default_models_dir(), "denoise-kglm"))
+    print(f"\n## PNG writing: Pillow (level 1) against kdeq.png, {model.name} outputs\n")
+    print("| images | Pillow ms | kdeq.png ms | ÷ Pillow | size ÷ Pillow |")
+    print("|---|---|---|---|---|")
+    rng = np.random.default_rng(args.seed)
+    for label, imgs in test_sets(args.images).items():
+        outputs = []
+        for img in imgs:
+            x = torch.from_numpy(img).float().div(255)
+            x = x[None] if x.ndim == 2 else x.permute(2, 0, 1)
+            noisy = x + SIGMA / 255 * torch.from_numpy(rng.standard_normal(x.shape)).float()
+            with torch.no_grad():
+                out = model.predict(noisy[None], SIGMA).output[0]
+            samples = out.clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+            outputs.append(np.ascontiguousarray(samples[..., 0] if samples.shape[-1] == 1 else samples))
+
+        def pillow(a: np.ndarray) -> bytes:
+            buf = io.BytesIO()
+            Image.fromarray(a).save(buf, format="PNG", compress_level=1)
+            return buf.getvalue()
+
+        times: dict[str, list[float]] = {"pillow": [], "kdeq": []}
+        for _ in range(args.repeat):
+            for name, fn in (("pillow", pillow), ("kdeq", png.encode)):
+                for a in outputs:
+                    start = time.perf_counter()
+                    fn(a)
+                    times[name].append(time.perf_counter() - start)
+        t_pil, t_kdeq = (float(np.median(times[k])) for k in ("pillow", "kdeq"))
+        size = sum(len(png.encode(a)) for a in outputs) / sum(len(pillow(a)) for a in outputs)
+        print(f"| {label} | {t_pil * 1e3:.2f} | {t_kdeq * 1e3:.2f} | {t_kdeq / t_pil:.2f} | {size:.3f} |")
+
+
 SECTIONS = {
     "models": section_models,
     "linear": section_linear,
@@ -579,6 +626,7 @@ SECTIONS = {
     "backends": section_backends,
     "cli": section_cli,
     "tiling": section_tiling,
+    "png": section_png,
 }
 
 

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
-from PIL import Image
+
+from kdeq import png
 
 PNG = "image/png"
 JSON = "application/json"
-# PNG's fastest zlib level: responses are encoded per request, and level 1 costs a few per cent
-# in size against several times the time of the default level 6
-COMPRESS_LEVEL = 1
 
 
 def _quantise(x: np.ndarray, peak: int, dtype: type, rows: int = 256) -> np.ndarray:
@@ -29,20 +25,18 @@ def _quantise(x: np.ndarray, peak: int, dtype: type, rows: int = 256) -> np.ndar
 def encode_png(pixels: np.ndarray, mode: str, alpha: np.ndarray | None = None) -> bytes:
     """A PNG of ``pixels`` ``(c, H, W)`` in [0, 1] in ``mode`` (``L``, ``I;16``, ``RGB``, ``LA``,
     ``RGBA``); ``alpha`` ``(1, H, W)`` for the modes with transparency (opaque when ``None``).
-    Numpy-only, like decoding (see ``service.decode``)."""
-    if mode == "I;16":
-        im = Image.fromarray(_quantise(pixels, 65535, np.uint16))
-    else:
-        base = Image.fromarray(_quantise(pixels, 255, np.uint8))
-        if mode in {"LA", "RGBA"}:
-            a = np.ones_like(pixels[:1]) if alpha is None else alpha
-            base.putalpha(Image.fromarray(_quantise(a, 255, np.uint8)))
-        im = base
-    if im.mode != mode:
+    Numpy-only, like decoding (see ``service.decode``); written by ``kdeq.png``."""
+    channels = {"L": 1, "I;16": 1, "RGB": 3, "LA": 1, "RGBA": 3}.get(mode)
+    if channels is None or pixels.shape[0] != channels:
         raise ValueError(f"cannot encode {tuple(pixels.shape)} pixels as {mode}")
-    out = io.BytesIO()
-    im.save(out, format="PNG", compress_level=COMPRESS_LEVEL)
-    return out.getvalue()
+    if mode == "I;16":
+        return png.encode(_quantise(pixels, 65535, np.uint16))
+    samples = _quantise(pixels, 255, np.uint8)
+    if mode in {"LA", "RGBA"}:
+        shape = pixels.shape[1:]
+        a = np.full(shape, 255, np.uint8) if alpha is None else _quantise(alpha, 255, np.uint8)
+        samples = np.dstack([samples, a])
+    return png.encode(samples)
 
 
 def wants_json(accept: str | None) -> bool:
