@@ -39,33 +39,40 @@ def observed_mean(y: torch.Tensor, observed: torch.Tensor) -> torch.Tensor:
     return total / observed.sum(dim=(2, 3), keepdim=True).clamp(min=1)
 
 
-#: on a CPU, the most pixels per channel (``H·W``) ``separable_blur`` convolves in one call: oneDNN pads
-#: a one-channel image to 16 channels for these convolutions, so a 25-megapixel scan's smoothing took
-#: 1.6 GiB at once; bands of rows bound that, with the same output bit for bit
-BLUR_BAND_PIXELS = 1 << 20
-
-
 def separable_blur(x: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(B, c, H, W)`` convolved with ``taps ⊗ taps`` per channel, mirrored borders; on a CPU in
-    bands of rows of at most ``BLUR_BAND_PIXELS`` pixels each (each band reads its neighbours' rows)."""
+    """``x`` ``(B, c, H, W)`` convolved with ``taps ⊗ taps`` ``(L,)`` per channel, mirrored borders: along
+    the rows, then the columns. On a CPU by ``L`` shifted multiply-adds per axis, on a GPU by two
+    grouped convolutions (two launches rather than ``2L``). oneDNN's grouped convolutions took 3–60×
+    the shifted sums' time here (a 256² colour image: 3.2 against 0.17 ms; eight grey ones: 25
+    against 0.4) and padded each channel to 16 (1.6 GiB for a 25-megapixel scan)."""
     r = taps.shape[0] // 2
     if r == 0:
         return x * taps[0]
-    c, (height, width) = x.shape[1], x.shape[-2:]
     padded = mirror_pad(x, r)
+    if x.device.type != "cpu":
+        return _blur_grouped(padded, taps)
+    return _blur_shifted(padded, taps)
 
-    def blur(rows: torch.Tensor) -> torch.Tensor:
-        y = F.conv2d(rows, taps.reshape(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
-        return F.conv2d(y, taps.reshape(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
 
-    band = max(1, BLUR_BAND_PIXELS // width)
-    if x.device.type != "cpu" or band >= height:
-        return blur(padded)
-    out = x.new_empty(x.shape)
-    for start in range(0, height, band):
-        stop = min(start + band, height)
-        out[..., start:stop, :] = blur(padded[..., start : stop + 2 * r, :])
+def _blur_shifted(padded: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """``Σ_j taps[j]·Σ_i taps[i]·p[.., a + j, b + i]`` for ``padded`` ``p`` ``(B, c, H + L − 1, W + L − 1)``,
+    tap by tap: each step one fused multiply-add over the image (differentiable in both)."""
+    n = taps.shape[0]
+    height, width = padded.shape[-2] - n + 1, padded.shape[-1] - n + 1
+    rows = padded[..., :width] * taps[0]
+    for k in range(1, n):
+        rows.addcmul_(padded[..., k : k + width], taps[k])
+    out = rows[..., :height, :] * taps[0]
+    for k in range(1, n):
+        out.addcmul_(rows[..., k : k + height, :], taps[k])
     return out
+
+
+def _blur_grouped(padded: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """``_blur_shifted`` as two grouped convolutions."""
+    c = padded.shape[1]
+    rows = F.conv2d(padded, taps.reshape(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
+    return F.conv2d(rows, taps.reshape(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
 
 
 def normalized_convolution(

@@ -152,16 +152,13 @@ def test_otsu_thresholds_counted_in_chunks_are_the_whole_histogram_s(monkeypatch
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 61, 47), (2, 3, 40, 33), (1, 1, 5, 9)])
-def test_the_blur_in_bands_of_rows_is_the_whole_image_s_against_a_dense_sum(shape, monkeypatch) -> None:
-    """``separable_blur`` in bands of a few rows (each reading its neighbours' rows) equals its one
-    call bit for bit, and both equal ``Σ g[i]g[j] x(mirrored)`` summed directly in float64."""
+def test_the_blur_is_a_dense_sum_of_mirrored_neighbours_either_way(shape) -> None:
+    """``separable_blur`` (the CPU's shifted sums) and the GPU's grouped convolutions, both against
+    ``Σ g[i]g[j] x(mirrored)`` summed directly in float64; gradients reach the image and the taps."""
     import kdeq.filters
 
     x = torch.rand(*shape, generator=torch.Generator().manual_seed(5))
     taps = gaussian_taps(1.5)
-    whole = separable_blur(x, taps)
-    monkeypatch.setattr(kdeq.filters, "BLUR_BAND_PIXELS", 2 * shape[-1])
-    assert torch.equal(separable_blur(x, taps), whole)
     r = taps.shape[0] // 2
     padded = kdeq.filters.mirror_pad(x.double(), r)
     g = taps.double()
@@ -170,7 +167,11 @@ def test_the_blur_in_bands_of_rows_is_the_whole_image_s_against_a_dense_sum(shap
         for i in range(2 * r + 1)
         for j in range(2 * r + 1)
     )
-    torch.testing.assert_close(whole.double(), dense, rtol=0, atol=1e-6)
+    torch.testing.assert_close(separable_blur(x, taps).double(), dense, rtol=0, atol=1e-6)
+    grouped = kdeq.filters._blur_grouped(kdeq.filters.mirror_pad(x, r), taps)
+    torch.testing.assert_close(grouped.double(), dense, rtol=0, atol=1e-6)
+    small = (x[..., :6, :7].double().requires_grad_(), g[1:-1].clone().requires_grad_())
+    assert torch.autograd.gradcheck(separable_blur, small)
 
 
 def test_defaults_restore_images(tmp_path: Path) -> None:
