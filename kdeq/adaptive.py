@@ -434,6 +434,16 @@ class GuidedOperator:
     def parts(self) -> int:
         return len(self._parts)
 
+    def diagonal(self) -> torch.Tensor:
+        """``diag K̃`` ``(B, 1, H, W)``: ``k(x, x) = k_s(0)·e⁰``, times ``s(x)² = 1/d(x)`` when normalised
+        (0 on a padded batch's padding)."""
+        guide, spatial = self._args[:2]
+        r = spatial.shape[0] // 2
+        centre = spatial[r, r].expand(guide.shape[0], 1, *guide.shape[-2:])
+        if self._sizes is not None:
+            centre = centre * _inside(tuple(guide.shape[-2:]), [(0, 0)], guide.device, self._sizes)
+        return centre if self._scale is None else centre * self._scale.square()
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """``K x`` of the unnormalised kernel for ``x`` ``(B, c, H, W)``."""
         if self._weights is not None:

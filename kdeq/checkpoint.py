@@ -19,7 +19,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 import torch
 from pydantic import (
@@ -61,14 +61,21 @@ class _Strict(BaseModel):
 
 
 class _MayHaveNet(_Strict):
-    """An architecture with an optional learned network as its last field, ``net``."""
+    """An architecture with an optional learned network, ``net``, and fields written only where they
+    differ from their defaults (``_unless_default``)."""
+
+    _unless_default: ClassVar[tuple[str, ...]] = ()
 
     @model_serializer(mode="wrap")
-    def _omit_absent_net(self, handler: SerializerFunctionWrapHandler) -> dict:
-        # without a network the config is written as before, so rebuilt defaults stay byte-identical
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # without a network, or with a later field at its default, the config is written as before,
+        # so rebuilt checkpoints stay byte-identical
         data = handler(self)
         if self.net is None:
             data.pop("net", None)
+        for name in self._unless_default:
+            if getattr(self, name) == type(self).model_fields[name].default:
+                data.pop(name, None)
         return data
 
 
@@ -94,6 +101,12 @@ class GuidedArchitecture(_MayHaveNet):
     kernel: GuidedKernel
     smoothing: float = Field(0.7, ge=0)
     net: GuideNet | None = None
+    #: a colour image's two colour-difference channels in the opponent basis (``kdeq.guidenet.opponent``):
+    #: ``solved`` like the luminance, or ``prior_mean``: left at the prior mean ``m``, their ``λ``
+    #: infinite, so that only the luminance is solved (``kdeq.denoise``; the denoise task's alone)
+    chroma: Literal["solved", "prior_mean"] = "solved"
+
+    _unless_default: ClassVar[tuple[str, ...]] = ("chroma",)
 
 
 class PlugAndPlayArchitecture(_Strict):

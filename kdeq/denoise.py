@@ -29,7 +29,7 @@ from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
-from kdeq.guidenet import pilot
+from kdeq.guidenet import opponent, pilot
 from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 
 
@@ -105,12 +105,30 @@ class Denoiser(Predictor):
         cfg = self.solver(solver)
         if isinstance(self.config.architecture, GuidedArchitecture):
             layer, mean, pilot_image = self._guided(x, self._guide_level(s), lam, sizes, valid, level)
-            out = layer(x, mean=mean, mean_out=mean, solver=cfg)
-            return Prediction(out.eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
+            if not self.luminance_only(x.shape[1]):
+                out = layer(x, mean=mean, mean_out=mean, solver=cfg)
+                return Prediction(out.eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
+            q = opponent(3, x.dtype).to(x.device)
+            y, m = (torch.einsum("kc,bchw->bkhw", q, v) for v in (x, mean))
+            # one tensor for both means: the layer then reads the equilibrium map's last value out
+            # rather than applying K̃ twice more (kdeq.deq, ``mean_out is mean``)
+            m0 = m[:, :1]
+            out = layer(y[:, :1], mean=m0, mean_out=m0, solver=cfg)
+            eta = torch.einsum("kc,bkhw->bchw", q, torch.cat([out.eta, m[:, 1:]], dim=1))
+            return Prediction(eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
         layer = self.conv_layer(Gaussian(), lam)
         mean = self._mean(x, valid, sizes, level)
         out = layer(x, mean=mean, mean_out=mean, mask=valid, solver=cfg)
         return Prediction(out.eta, out.stats, lam, sigma=s * 255.0)
+
+    def luminance_only(self, channels: int) -> bool:
+        """Whether a ``channels``-channel image has its luminance alone solved: a colour image under
+        ``chroma = prior_mean``. In the opponent basis ``Q`` (``kdeq.guidenet.opponent``) the solve is
+        then ``z₀ = m₀ + K̃(K̃ + λI)⁻¹(y₀ − m₀)`` and ``z_k = m_k`` for ``k = 1, 2`` (their ``λ`` infinite),
+        ``z = Qᵀ(z₀, z₁, z₂)``; ``K̃`` acts on each channel alike, so ``m = Q(RGB mean)`` is the mean of
+        the rotated image."""
+        arch = self.config.architecture
+        return channels == 3 and isinstance(arch, GuidedArchitecture) and arch.chroma == "prior_mean"
 
     def _mean(
         self, x: torch.Tensor, valid: torch.Tensor | None, sizes: Sizes | None, level: torch.Tensor | None

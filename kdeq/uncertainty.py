@@ -129,6 +129,12 @@ class GaussianPosterior:
         scale: ``∂output/∂f`` ``(B, 1, H, W)`` where the output is a function of the Gaussian ``f``
             (the segmenter's ``π(1 − π)``): the std is multiplied by it (the delta method); ``None``
             where the output is ``f`` itself.
+        prior_diag: ``diag K`` ``(B, 1, H, W)`` where part of each channel is left at the prior mean,
+            unobserved (``None`` elsewhere): a colour image whose colour differences are not solved
+            (``kdeq.denoise.Denoiser.luminance_only``). Its posterior there is the prior, ``s² K``.
+        prior_share: the part of each channel's variance that is the prior's: with ``Q`` the opponent
+            basis, channel ``j``'s variance is ``Σ_k Q_kj² var_k`` = ``(1/3)·var₀ + (2/3)·s² K_ii``
+            (``Q_0j² = 1/3`` for every ``j``), so 2/3 there.
     """
 
     kernel: Callable[[torch.Tensor], torch.Tensor]
@@ -140,6 +146,8 @@ class GaussianPosterior:
     stationary: Stationary | None = None
     spacing: int = 6
     scale: torch.Tensor | None = None
+    prior_diag: torch.Tensor | None = None
+    prior_share: float = 0.0
 
 
 #: the largest default colouring period: 81 colours, 162 probes at two rounds
@@ -257,7 +265,7 @@ def posterior(
         if exact is not None:
             if post.amplitude is None:
                 post = _with_amplitude(post, _ml_amplitude(post, _solve(post, post.centred)))
-            var = post.amplitude.reshape(-1, 1, 1, 1) * exact
+            var = _with_prior(post, post.amplitude.reshape(-1, 1, 1, 1) * exact, post.amplitude)
             found = Uncertainty(_std(var, post.shape), post.amplitude.float(), True, 0)
         else:
             found = _probed(post, spacing or post.spacing, rounds, generator)
@@ -279,6 +287,15 @@ def _std(var: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
     """``sqrt(var)`` ``(B, 1, H, W)`` expanded to the output's channels, float32 (a probed variance
     can come out slightly negative where it is tiny: clamped at 0)."""
     return var.clamp(min=0).sqrt().float().expand(shape).contiguous()
+
+
+def _with_prior(post: GaussianPosterior, var: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """``var`` ``(B, 1, H, W)`` of the solved part mixed with the prior's ``s² diag K`` by
+    ``post.prior_share`` (``GaussianPosterior``); ``var`` itself where nothing is left at the prior."""
+    if post.prior_diag is None:
+        return var
+    share = post.prior_share
+    return (1 - share) * var + share * s2.reshape(-1, 1, 1, 1) * post.prior_diag
 
 
 def _with_amplitude(post: GaussianPosterior, s2: torch.Tensor) -> GaussianPosterior:
@@ -417,10 +434,12 @@ def _probed(
     var = per_round.mean(1, keepdim=True)
     error = None
     if rounds > 1:
-        # the between-round spread: standard error of the variance, halved for the std
+        # the between-round spread: standard error of the variance, halved for the std; the solved
+        # part's, which bounds the whole's where a prior part (exact) is mixed in
         se = per_round.std(1, keepdim=True) / math.sqrt(rounds)
         rel = se / (2 * var.clamp(min=torch.finfo(var.dtype).tiny))
         error = rel.flatten(1).mean(1).float()
+    var = _with_prior(post, var, amplitude)
     return Uncertainty(_std(var, post.shape), amplitude.float(), False, count, error)
 
 
@@ -485,7 +504,10 @@ def _denoise(
         level_s = predictor._guide_level(s)
         op = _guided_denoiser_kernel(predictor, x, level_s, None if level is None else level.to(x))
         spacing = probe_spacing(predictor.tensors["spatial"].shape[0] // 2)
-        return GaussianPosterior(op, Identity(), lam, amplitude, None, tuple(x.shape), None, spacing)
+        post = GaussianPosterior(op, Identity(), lam, amplitude, None, tuple(x.shape), None, spacing)
+        if predictor.luminance_only(x.shape[1]):
+            post = dataclasses.replace(post, prior_diag=op.diagonal(), prior_share=2 / 3)
+        return post
     kernel, stationary = _conv_kernel(predictor, x.shape[0])
     spacing = probe_spacing(stationary.taps.shape[-1] // 2)
     return GaussianPosterior(kernel, Identity(), lam, amplitude, None, tuple(x.shape), stationary, spacing)

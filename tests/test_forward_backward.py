@@ -245,7 +245,8 @@ def _name(path: Path) -> str:
 def test_the_shipped_flat_prior_models_are_all_here() -> None:
     names = {_name(p) for p in _models()}
     expected = {
-        "denoise-kglm:1", "denoise-kglm:2", "denoise-kglm:3", "denoise-kglm:4", "denoise-stationary-kglm:1",
+        "denoise-kglm:1", "denoise-kglm:2", "denoise-kglm:3", "denoise-kglm:4", "denoise-kglm:5",
+        "denoise-stationary-kglm:1",
         "denoise-stationary-kglm:2", "inpaint-kglm:1", "inpaint-kglm:2", "inpaint-kglm:3", "segment-kglm:1",
         "segment-kglm:2",
         "deblur-kglm:1", "deblur-kglm:2", "deblur-kglm:3", "super-resolve-kglm:1", "super-resolve-kglm:2",

@@ -199,6 +199,8 @@ class Task:
         architectures: the architecture kinds (``kdeq.checkpoint``) its models may have.
         network: the conditioning (``kdeq.guidenet.GuideNet.condition``) a network of its models has,
             ``None`` when they have none.
+        chroma_prior_mean: whether its guided models may leave a colour image's colour differences
+            at the prior mean (``GuidedArchitecture.chroma``).
         score_name, score_label: the validation score's name in the trainer's metrics
             (``val_<score_name>``) and its axis label in the report; higher is better.
     """
@@ -216,6 +218,7 @@ class Task:
     variant: ClassVar[Variant | None] = None
     architectures: ClassVar[tuple[str, ...]] = ("conv",)
     network: ClassVar[str | None] = None
+    chroma_prior_mean: ClassVar[bool] = False
     score_name: ClassVar[str] = "psnr"
     score_label: ClassVar[str] = "PSNR (dB)"
 
@@ -241,6 +244,8 @@ class Task:
             raise ValueError(f"the {self.name} task's network is conditioned on {wanted!r}, not {got!r}")
         if spec.lam.rule == "noise" and "sigma" not in self.options.model_fields:
             raise ValueError(f"the noise λ rule needs a noise level, which {self.name} requests do not carry")
+        if getattr(arch, "chroma", "solved") != "solved" and not self.chroma_prior_mean:
+            raise ValueError(f"the {self.name} task solves every channel: chroma 'prior_mean' is denoise's")
 
     def prepare(
         self,

@@ -33,11 +33,14 @@ class Denoise(Task):
     fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
     architectures = ("conv", "guided")
     network = "sigma"
+    chroma_prior_mean = True
 
     def check_spec(self, spec: ModelSpec) -> None:
         super().check_spec(spec)
         if spec.architecture.net is not None and spec.architecture.kind != "guided":
             raise ValueError("the denoiser's network is the guided kernel's guide: use a guided architecture")
+        if getattr(spec.architecture, "chroma", "solved") == "prior_mean" and spec.mean == "none":
+            raise ValueError("chroma 'prior_mean' leaves the colour differences at the mean: it needs one")
 
     def batch_key(self, request: Request) -> Hashable:
         # given levels may differ within a batch (σ is per sample); estimated ones are estimated per image
