@@ -110,8 +110,6 @@ class Denoiser(Predictor):
                 return Prediction(out.eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
             q = opponent(3, x.dtype).to(x.device)
             y, m = (torch.einsum("kc,bchw->bkhw", q, v) for v in (x, mean))
-            # one tensor for both means: the layer then reads the equilibrium map's last value out
-            # rather than applying K̃ twice more (kdeq.deq, ``mean_out is mean``)
             m0 = m[:, :1]
             out = layer(y[:, :1], mean=m0, mean_out=m0, solver=cfg)
             eta = torch.einsum("kc,bkhw->bchw", q, torch.cat([out.eta, m[:, 1:]], dim=1))

@@ -68,6 +68,21 @@ class DEQOutput:
     stats: SolverStats
 
 
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Whether ``a`` and ``b`` are one tensor's values: the same object, or views of the same memory
+    with the same shape, strides and dtype (two slices ``m[:, :1]`` of one mean). Decided from
+    metadata, so it never reads the values (no device synchronisation)."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return False
+
+    def key(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+    return key(a) == key(b)
+
+
 class KGLMDEQ(nn.Module):
     """A DEQ whose fixed point is a kGLM embedding ``z = A'(Kα + m)``.
 
@@ -180,7 +195,7 @@ class KGLMDEQ(nn.Module):
         t = self.family.T(y)
         cfg = solver or self.solver
         if cfg.method == "cg" and self.affine and not torch.is_grad_enabled():
-            tied = self.readout_is_map and mask is None and mean_out is mean
+            tied = self.readout_is_map and mask is None and _same_tensor(mean_out, mean)
             z, stats, fz = solve_affine(self.w1, self.w2, t, mean, mask, z0, cfg, with_map=tied)
             if fz is not None:
                 return DEQOutput(fz, z, stats)

@@ -74,6 +74,34 @@ def gaussian_layer(taps: torch.Tensor, lam: torch.Tensor, padding: str, tied: bo
     return KGLMDEQ(Gaussian(), GaussianPrior(), w1, w2, None, v1, v2)
 
 
+def test_views_of_one_mean_are_read_out_as_the_map_like_the_tensor_itself(monkeypatch) -> None:
+    """``f(z)`` is the output when ``mean_out`` is ``mean``'s values in the same memory (two slices of
+    one tensor: the colour denoiser's luminance), at no more ``W1`` applications than with one tensor
+    and two fewer than with a copy (which is read out as ``V1 z + V2 t + m̃``); all three agree."""
+    gen = torch.Generator().manual_seed(4)
+    taps = Kernel(profile="se", lengthscale=1.5, radius=3).filter(F64)
+    layer = gaussian_layer(taps, torch.tensor([0.5], dtype=F64), "zeros", tied=True)
+    y = torch.rand(1, 1, 12, 10, dtype=F64, generator=gen)
+    both = torch.rand(1, 3, 12, 10, dtype=F64, generator=gen)
+    calls = []
+    forward = type(layer.w1).forward
+    monkeypatch.setattr(type(layer.w1), "forward", lambda self, x: calls.append(1) or forward(self, x))
+    cfg = SolverConfig(method="cg", tol=1e-10, max_iter=200)
+    counts, outputs = [], []
+    with torch.inference_mode():
+        for mean, mean_out in (
+            (both[:, :1], both[:, :1]),
+            (both[:, :1],) * 2,
+            (both[:, :1], both[:, :1].clone()),
+        ):
+            calls.clear()
+            outputs.append(layer(y, mean=mean, mean_out=mean_out, solver=cfg).eta)
+            counts.append(len(calls))
+    assert counts[0] == counts[1] == counts[2] - 2
+    for out in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0], rtol=0, atol=1e-9)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["readout", "readout-is-map"])
 @pytest.mark.parametrize("padding", ["symmetric", "circular", "zeros", "reflect"])
 @pytest.mark.parametrize("mean", ["global", "varying"])
