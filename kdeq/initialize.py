@@ -102,8 +102,13 @@ def compose_checkpoint(spec: ModelSpec, prior: Checkpoint, root: Path) -> tuple[
 def retasked(spec: ModelSpec, name: str, version: int, task: str, description: str) -> ModelSpec:
     """``spec`` (a ``ModelSpec`` or a checkpoint's config) as a model of another task: the same kernel,
     network, ``λ`` rule, mean and solver under a new ``name``, ``version``, ``task`` and
-    ``description``, validated for that task."""
+    ``description``, validated for that task. A task that solves every channel takes no ``chroma``
+    option (``GuidedArchitecture``): its models solve the colour differences too."""
+    from kdeq.tasks import TASKS
+
     own = spec.model_dump(include=set(ModelSpec.model_fields))
+    if task in TASKS and not TASKS[task].chroma_prior_mean:
+        own["architecture"].pop("chroma", None)
     return ModelSpec.model_validate(
         own | {"name": name, "version": version, "task": task, "description": description}
     )

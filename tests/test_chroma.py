@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from kdeq.adaptive import GuidedOperator, guided_gram
 from kdeq.checkpoint import ModelSpec, read_config
+from kdeq.cli import main
 from kdeq.guidenet import opponent
 from kdeq.predictor import SolverOverride
 from kdeq.repository import load_predictor
@@ -155,3 +156,17 @@ def test_what_cannot_leave_the_colour_differences_at_the_mean_is_refused(update:
     spec.update(update)
     with pytest.raises(ValidationError, match=message):
         ModelSpec.model_validate(spec)
+
+
+def test_kdeq_init_composes_and_retasks_around_version_5(tmp_path) -> None:
+    """``kdeq init --prior`` around the default denoiser: the plug-and-play deblurrer embeds it as it
+    is (its colour differences at the mean), the impulse denoiser, a task that solves every channel,
+    takes its kernel and network with ``chroma`` back at ``solved``."""
+    assert main(["init", "--prior", str(MODELS / "denoise-kglm" / "5"), "--models-dir", str(tmp_path)]) == 0
+    deblur = read_config(tmp_path / "deblur-kglm" / "3")
+    impulse = load_predictor(tmp_path / "denoise-impulse-kglm" / "2")
+    assert deblur.architecture.prior.architecture.chroma == "prior_mean"
+    assert impulse.config.architecture.chroma == "solved"
+    v5 = load_predictor(MODELS / "denoise-kglm" / "5")
+    assert impulse.tensors.keys() == v5.tensors.keys()
+    assert all(torch.equal(impulse.tensors[k], v5.tensors[k]) for k in v5.tensors)
