@@ -105,6 +105,16 @@ def test_sets(images: int) -> dict[str, list[np.ndarray]]:
     }
 
 
+def denoised(predictor, noisy: np.ndarray, known: bool = True, precision: str = "auto") -> np.ndarray:
+    """``predictor``'s output for a ``test_sets`` image with noise, ``(H, W)`` or ``(H, W, c)`` in
+    [0, 1] like it; σ given where ``known``, the guide network in ``precision``."""
+    x = torch.from_numpy(noisy.astype(np.float32))
+    x = x[None, None] if x.dim() == 2 else x.permute(2, 0, 1)[None]
+    with netprecision.choice.force(precision):
+        out = predictor.predict(x, sigma=SIGMA if known else None).output[0]
+    return (out[0] if out.shape[0] == 1 else out.permute(1, 2, 0)).numpy()
+
+
 def section_models(args: argparse.Namespace) -> None:
     import baselines as B
 
@@ -113,14 +123,7 @@ def section_models(args: argparse.Namespace) -> None:
     stationary = load_predictor(find_model(models, "denoise-stationary-kglm"), "cpu")
 
     def kdeq_method(predictor, known: bool, precision: str = "auto"):
-        def run(noisy: np.ndarray) -> np.ndarray:
-            x = torch.from_numpy(noisy.astype(np.float32))
-            x = x[None, None] if x.dim() == 2 else x.permute(2, 0, 1)[None]
-            with netprecision.choice.force(precision):
-                out = predictor.predict(x, sigma=SIGMA if known else None).output[0]
-            return (out[0] if out.shape[0] == 1 else out.permute(1, 2, 0)).numpy()
-
-        return run
+        return lambda noisy: denoised(predictor, noisy, known, precision)
 
     others = [load_predictor(find_reference(models, ref), "cpu") for ref in args.compare]
     methods: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = []
@@ -581,6 +584,7 @@ def section_png(args: argparse.Namespace) -> None:
     ``kdeq.png``, alternated in one loop: the better median time of each, and the file sizes."""
     import io
 
+    import baselines as B
     from PIL import Image
 
     from kdeq import png
@@ -589,17 +593,14 @@ def section_png(args: argparse.Namespace) -> None:
     print(f"\n## PNG writing: Pillow (level 1) against kdeq.png, {model.name} outputs\n")
     print("| images | Pillow ms | kdeq.png ms | ÷ Pillow | size ÷ Pillow |")
     print("|---|---|---|---|---|")
-    rng = np.random.default_rng(args.seed)
-    for label, imgs in test_sets(args.images).items():
-        outputs = []
-        for img in imgs:
-            x = torch.from_numpy(img).float().div(255)
-            x = x[None] if x.ndim == 2 else x.permute(2, 0, 1)
-            noisy = x + SIGMA / 255 * torch.from_numpy(rng.standard_normal(x.shape)).float()
-            with torch.no_grad():
-                out = model.predict(noisy[None], SIGMA).output[0]
-            samples = out.clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-            outputs.append(np.ascontiguousarray(samples[..., 0] if samples.shape[-1] == 1 else samples))
+    for label, clean_set in test_sets(args.images).items():
+        # the models section's noisy images, denoised: what a response or the CLI writes
+        outputs = [
+            np.rint(np.clip(denoised(model, B.add_noise(clean, SIGMA, args.seed + k)), 0, 1) * 255).astype(
+                np.uint8
+            )
+            for k, clean in enumerate(clean_set)
+        ]
 
         def pillow(a: np.ndarray) -> bytes:
             buf = io.BytesIO()
