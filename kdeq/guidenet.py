@@ -94,7 +94,10 @@ class GuideNet(BaseModel):
     ``sigma`` also ``net_skip`` ``(1,)`` (``a``) and ``net_mean_mix`` ``(1,)``: the denoiser's mean is
     ``(1 − β)·D⁻¹K y + β·p`` (``kdeq.denoise``). ``colour_channels`` (``sigma`` only) adds the joint
     colour network ``N_θ^c`` of that many features and the same depth (``shapes``); ``None``, the
-    default, has none and is left out of the written config.
+    default, has none and is left out of the written config. ``luminance`` (``sigma`` only, without
+    ``N_θ^c``) is how ``N_θ`` reads a colour image's luminance ``y₀ = (R + G + B)/√3``: as it is
+    (``opponent``, the default, left out of the written config), or at a grey image's scale
+    (``mean``): ``√3·N_θ(y₀/√3, σ/√3)``, the channel mean ``(R + G + B)/3`` at the noise level it has.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -103,19 +106,25 @@ class GuideNet(BaseModel):
     channels: int = Field(64, ge=4, le=256)
     condition: Literal["sigma", "mask", "image", "scale"] = "sigma"
     colour_channels: int | None = Field(None, ge=4, le=256)
+    luminance: Literal["opponent", "mean"] = "opponent"
 
     @model_validator(mode="after")
     def _colour_is_sigma(self) -> GuideNet:
         if self.colour_channels is not None and self.condition != "sigma":
             raise ValueError(f"a joint colour network is the σ-conditioned guide's, not {self.condition!r}'s")
+        if self.luminance == "mean" and (self.condition != "sigma" or self.colour_channels is not None):
+            raise ValueError("luminance 'mean' is the σ-conditioned grey network's, without a colour network")
         return self
 
     @model_serializer(mode="wrap")
     def _omit_absent_colour(self, handler: SerializerFunctionWrapHandler) -> dict:
-        # without a colour network the config is written as before, so rebuilt specs stay byte-identical
+        # without a colour network, and reading the luminance as before, the config is written as
+        # before, so rebuilt specs stay byte-identical
         data = handler(self)
         if self.colour_channels is None:
             data.pop("colour_channels", None)
+        if self.luminance == "opponent":
+            data.pop("luminance", None)
         return data
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -299,15 +308,27 @@ def pilot(
     """The denoiser's ``p = b + a·(y − b) + N_θ(y, σ)`` ``(B, c, H, W)`` for ``y`` and ``b``
     ``(B, c, H, W)``, ``σ`` ``(B,)`` in [0, 1] units; see the module docstring. ``N_θ`` reads each
     channel less its mean, ``level`` ``(B, c)`` when given (a tile's whole image's, ``kdeq.tiling``),
-    else ``y``'s own. Colour images go through the colour network where ``net`` has one."""
+    else ``y``'s own; a colour image's luminance at a grey image's scale where ``net.luminance`` is
+    ``mean`` (``GuideNet``). Colour images go through the colour network where ``net`` has one."""
     if net.colour_channels is not None and y.shape[1] == 3:
         return _colour_pilot(y, base, sigma, tensors, net, level)
     s = sigma.to(y.dtype).repeat_interleave(y.shape[1]).reshape(-1, 1, 1, 1)
     level = _per_opponent_level(level, y)
+    if net.luminance == "mean" and y.shape[1] == 3:
+        # the luminance's gain g = √3 per sample, 1 for the colour differences: N_θ reads u/g at σ/g
+        # and its output is scaled back by g, so a colour image's luminance looks like a grey image
+        gain = y.new_tensor([math.sqrt(3.0), 1.0, 1.0]).repeat(y.shape[0]).reshape(-1, 1, 1, 1)
+    else:
+        gain = None
 
     def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
-        h = network_input(u, s, level)
-        return ub + tensors["net_skip"] * (u - ub) + _network(h, tensors, net, tuple(u.shape[-2:]))
+        size = tuple(u.shape[-2:])
+        if gain is None:
+            correction = _network(network_input(u, s, level), tensors, net, size)
+        else:
+            h = network_input(u / gain, s / gain, None if level is None else level / gain)
+            correction = gain * _network(h, tensors, net, size)
+        return ub + tensors["net_skip"] * (u - ub) + correction
 
     return _per_opponent_channel(one, y, base)
 
