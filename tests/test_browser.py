@@ -143,8 +143,9 @@ def test_each_task_shows_its_result_and_statistics(
     run_task(page, task, images[task])
     page.wait_for_selector("#stats:not([hidden])", timeout=60_000)
     assert page.locator("#error").is_hidden()
-    # a Gaussian PSF with the symmetric border is one DCT solve (kdeq.operators.Sandwich): 0 iterations
-    assert int(page.inner_text("#stat-iterations")) >= (0 if task == "deblur" else 1)
+    # 0 iterations are a result too: a Gaussian PSF with the symmetric border is one DCT solve
+    # (kdeq.operators.Sandwich), and the guided denoiser's mean may already meet the tolerance
+    assert int(page.inner_text("#stat-iterations")) >= (0 if task in ("deblur", "denoise") else 1)
     assert float(page.inner_text("#stat-residual")) < 1e-2
     assert page.inner_text("#stat-converged") == "yes"
     assert page.inner_text("#stat-model").startswith(task)
