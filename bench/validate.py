@@ -20,8 +20,7 @@ import torch
 
 from kdeq import backends, netprecision
 from kdeq.train.config import TrainConfig
-from kdeq.train.data import image_files, load_images, validation_set
-from kdeq.train.loop import TASKS, TRAINING_BACKEND, _centre_crop, evaluate
+from kdeq.train.loop import TASKS, TRAINING_BACKEND, evaluate, validation_examples
 from kdeq.train.model import TrainableModel, start_tensors
 
 
@@ -42,11 +41,7 @@ def scores(checkpoint: Path, args: argparse.Namespace) -> dict[str, float]:
     spec = cfg.model_spec()
     device = torch.device("cpu")
     model = TrainableModel(spec, start_tensors(spec, cfg.init, cfg.seed, cfg.warm_start), device)
-    images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
-    examples = validation_set(
-        images[: cfg.val_limit], TASKS[cfg.task], cfg.corruption(), cfg.levels(), cfg.seed
-    )
-    return evaluate(model, examples, cfg, device)[0]
+    return evaluate(model, validation_examples(cfg), cfg, device)[0]
 
 
 def main() -> None:

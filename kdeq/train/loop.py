@@ -270,6 +270,13 @@ def evaluate(
     return metrics, outputs
 
 
+def validation_examples(cfg: TrainConfig) -> list[dict[str, torch.Tensor]]:
+    """``cfg``'s fixed validation examples: the first ``val_limit`` images of ``val``, centre-cropped
+    to ``val_crop``, each at every level (``validation_set``), the same for every epoch and run."""
+    images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
+    return validation_set(images[: cfg.val_limit], TASKS[cfg.task], cfg.corruption(), cfg.levels(), cfg.seed)
+
+
 def _centre_crop(x: torch.Tensor, size: int) -> torch.Tensor:
     if size <= 0:
         return x
@@ -350,8 +357,7 @@ def _train(
     dataset = PatchDataset(
         train_images, cfg.patch_size, task, corruption, cfg.samples_per_epoch, cfg.seed, per_step
     )
-    val_images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
-    val_set = validation_set(val_images[: cfg.val_limit], task, corruption, cfg.levels(), cfg.seed)
+    val_set = validation_examples(cfg)
     steps_per_epoch = math.ceil(cfg.samples_per_epoch / per_step)
     total = steps_per_epoch * cfg.epochs
     # pilot-only epochs and the rest are two phases, each with its own warm-up and decay: the mean
