@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -232,6 +232,8 @@ def _zero_outside(w: torch.Tensor, offsets: Offsets, sizes: Sizes | None) -> Non
 
 
 _CHUNK = 4
+#: offsets whose sharpened weights ``GuidedOperator.nonlocal_mean`` holds at a time
+_NONLOCAL_CHUNK = 4
 _CUTOFF = -60.0
 _FLOOR = math.exp(_CUTOFF)
 
@@ -449,9 +451,69 @@ class GuidedOperator:
         if self._weights is not None:
             return apply_weights(self._weights, x)
         out = torch.zeros_like(x)
-        for part in self._parts:
-            out = out + apply_weights(guided_weights(*self._args, part, self._sizes), x, part)
+        for part, weights in self._weight_parts():
+            out = out + apply_weights(weights, x, part)
         return out
+
+    def _weight_parts(self) -> Iterator[tuple[Offsets, torch.Tensor]]:
+        """Each part of the half set of offsets with its weight maps ``(B, len(part), H, W)``: the kept
+        maps, or made again a part at a time."""
+        if self._weights is not None:
+            yield self._parts[0], self._weights
+            return
+        for part in self._parts:
+            yield part, guided_weights(*self._args, part, self._sizes)
+
+    def nonlocal_mean(self, v: torch.Tensor, power: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Non-local means of ``v`` ``(B, c, H, W)`` with this kernel's patch distances at the bandwidth
+        ``h/√κ`` (``κ = power``) over its whole window, and the matches' mass:
+
+            u_o(x) = (w_o(x)/k_s(o))^κ = exp(−κ‖g(x) − g(x+o)‖²/2h²),    o ≠ 0, both directions,
+            ν(x) = (c(x)·v(x) + Σ_o u_o(x)·v(x+o)) / (c(x) + Σ_o u_o(x)),
+            c(x) = max_o u_o(x) (1 where it is 0: no match, ν = v),
+
+        the centre weighing as the best match rather than as ``u_0 = 1``, non-local means' rule. Returns
+        ``ν`` ``(B, c, H, W)`` and ``log(1 + Σ_o u_o / c)`` ``(B, 1, H, W)``, at most ``log (2R+1)²`` (``c``
+        is the sum's largest term). Not differentiated."""
+        spatial = self._args[1]
+        r = spatial.shape[0] // 2
+        both = torch.cat([torch.ones_like(v[:, :1]), v], dim=1)
+        total = torch.zeros_like(both)
+        height, width = v.shape[-2:]
+        # c over both directions: u_o(x) is a match of x at +o and of x + o at −o
+        best = v.new_zeros(v.shape[0], 1, height + 2 * r, width + 2 * r)
+        with torch.no_grad():
+            for part, weights in self._weight_parts():
+                taps = torch.stack([spatial[r + a, r + b] for a, b in part]).reshape(1, -1, 1, 1)
+                # w/k_s ≥ 0 whatever the taps' signs; the centre, and a zero tap's offset, weigh 0
+                inverse = torch.where(taps != 0, 1 / torch.where(taps != 0, taps, 1.0), 0.0)
+                inverse[:, [k for k, o in enumerate(part) if o == (0, 0)]] = 0
+                signs = bool((taps < 0).any())
+                scratch, square = weights.new_empty(2, weights.shape[0], _NONLOCAL_CHUNK, *weights.shape[-2:])
+                for start in range(0, len(part), _NONLOCAL_CHUNK):
+                    chosen = part[start : start + _NONLOCAL_CHUNK]
+                    u = torch.mul(
+                        weights[:, start : start + len(chosen)],
+                        inverse[:, start : start + len(chosen)],
+                        out=scratch[:, : len(chosen)],
+                    )
+                    if signs:
+                        u.abs_()
+                    if power > 1:
+                        e = torch.mul(u, u, out=square[:, : len(chosen)])
+                        for _ in range(power - 2):
+                            e.mul_(u)
+                        u = e
+                    total += apply_weights(u, both, chosen)
+                    here = best[..., r : r + height, r : r + width]
+                    torch.maximum(here, u.amax(dim=1, keepdim=True), out=here)
+                    for k, (a, b) in enumerate(chosen):
+                        there = best[..., r + a : r + a + height, r + b : r + b + width]
+                        torch.maximum(there, u[:, k : k + 1], out=there)
+            best = best[..., r : r + height, r : r + width]
+            centre = torch.where(best > 0, best, 1.0)
+            mean = (total[:, 1:] + centre * v) / (total[:, :1] + centre)
+            return mean, torch.log1p(total[:, :1] / centre)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``K̃ x``: ``K x``, or ``s ⊙ K(s ⊙ x)`` with ``s = d^{-1/2}`` when normalised."""

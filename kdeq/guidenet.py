@@ -83,6 +83,20 @@ from pydantic import (
 from kdeq import netprecision
 
 
+class Refine(BaseModel):
+    """Shape of the denoiser's non-local refinement ``H_φ`` (``kdeq.refine``): ``depth`` 3×3 convolutions
+    of ``channels`` features on the 2×2-unshuffled maps ``((ν − p)/σ, (y − p)/σ, log(1 + Σu/c))`` and a
+    ``σ`` map (13 channels in, 4 out: one weight per pixel), and the power ``κ`` (``sharpness``) that
+    turns the guided kernel's weights into non-local means' at the bandwidth ``h/√κ``. Its tensors:
+    ``net_refine_<i>_weight`` ``(out, in, 3, 3)`` and ``net_refine_<i>_bias`` ``(out,)``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    depth: int = Field(4, ge=2, le=16)
+    channels: int = Field(16, ge=4, le=128)
+    sharpness: int = Field(3, ge=1, le=8)
+
+
 class GuideNet(BaseModel):
     """Shape of ``N_θ``: ``depth`` convolutions (``depth − 1`` followed by ReLU) of ``channels`` features,
     conditioned on the noise level (``sigma``: the denoiser's and deblurrer's guide), the observed
@@ -98,6 +112,8 @@ class GuideNet(BaseModel):
     ``N_θ^c``) is how ``N_θ`` reads a colour image's luminance ``y₀ = (R + G + B)/√3``: as it is
     (``opponent``, the default, left out of the written config), or at a grey image's scale
     (``mean``): ``√3·N_θ(y₀/√3, σ/√3)``, the channel mean ``(R + G + B)/3`` at the noise level it has.
+    ``refine`` (``sigma`` only) adds the denoiser's non-local refinement of the pilot (``Refine``);
+    ``None``, the default, is left out of the written config.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -107,6 +123,7 @@ class GuideNet(BaseModel):
     condition: Literal["sigma", "mask", "image", "scale"] = "sigma"
     colour_channels: int | None = Field(None, ge=4, le=256)
     luminance: Literal["opponent", "mean"] = "opponent"
+    refine: Refine | None = None
 
     @model_validator(mode="after")
     def _colour_is_sigma(self) -> GuideNet:
@@ -114,6 +131,8 @@ class GuideNet(BaseModel):
             raise ValueError(f"a joint colour network is the σ-conditioned guide's, not {self.condition!r}'s")
         if self.luminance == "mean" and (self.condition != "sigma" or self.colour_channels is not None):
             raise ValueError("luminance 'mean' is the σ-conditioned grey network's, without a colour network")
+        if self.refine is not None and self.condition != "sigma":
+            raise ValueError(f"the non-local refinement is the σ-conditioned net's, not {self.condition!r}'s")
         return self
 
     @model_serializer(mode="wrap")
@@ -125,12 +144,15 @@ class GuideNet(BaseModel):
             data.pop("colour_channels", None)
         if self.luminance == "opponent":
             data.pop("luminance", None)
+        if self.refine is None:
+            data.pop("refine", None)
         return data
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor names and shapes, in layer order: the grey network's, then the colour network's
         (``net_colour_<i>_weight`` ``(out, in, 3, 3)`` with ``in = 13`` first and ``out = 12`` last,
-        ``net_colour_<i>_bias``, ``net_colour_skip`` ``(1,)``: ``a_c``) where there is one."""
+        ``net_colour_<i>_bias``, ``net_colour_skip`` ``(1,)``: ``a_c``) where there is one, then the
+        refinement's (``Refine``)."""
         cin = 5 if self.condition in ("sigma", "scale") else 8
         out = _conv_shapes("net", self.depth, cin, self.channels, 4)
         if self.condition == "sigma":
@@ -139,6 +161,8 @@ class GuideNet(BaseModel):
         if self.colour_channels is not None:
             out |= _conv_shapes("net_colour", self.depth, 13, self.colour_channels, 12)
             out["net_colour_skip"] = (1,)
+        if self.refine is not None:
+            out |= _conv_shapes(REFINE, self.refine.depth, 13, self.refine.channels, 4)
         return out
 
     def last_layers(self) -> set[str]:
@@ -146,6 +170,8 @@ class GuideNet(BaseModel):
         last = {f"net_{self.depth - 1}_weight"}
         if self.colour_channels is not None:
             last.add(f"net_colour_{self.depth - 1}_weight")
+        if self.refine is not None:
+            last.add(f"{REFINE}_{self.refine.depth - 1}_weight")
         return last
 
     def kglm_start(self, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -180,6 +206,10 @@ class GuideNet(BaseModel):
         return out
 
 
+#: the prefix of the refinement's tensors (``Refine``)
+REFINE = "net_refine"
+
+
 def _conv_shapes(prefix: str, depth: int, cin: int, features: int, cout: int) -> dict[str, tuple[int, ...]]:
     """``depth`` 3×3 layers ``<prefix>_<i>_weight``, ``<prefix>_<i>_bias`` from ``cin`` channels through
     ``features`` to ``cout``."""
@@ -202,7 +232,7 @@ def opponent(c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (t / t.norm(dim=1, keepdim=True)).to(dtype)
 
 
-def _unshuffle(v: torch.Tensor) -> torch.Tensor:
+def unshuffle(v: torch.Tensor) -> torch.Tensor:
     """``(N, k, H, W)`` → ``(N, 4k, ⌈H/2⌉, ⌈W/2⌉)``; odd sizes are extended by replicating one row or
     column so that the 2×2 unshuffle tiles the image."""
     ph, pw = v.shape[-2] % 2, v.shape[-1] % 2
@@ -224,20 +254,33 @@ def _network(
     colour: bool = False,
 ) -> torch.Tensor:
     """``N_θ`` (``N_θ^c`` with ``colour``) on its unshuffled input ``h`` ``(N, 5, 8 or 13, H', W')``,
-    shuffled back and cropped to ``size``: ``(N, 1 or 3, H, W)`` in ``h``'s dtype; computed in the
-    dtype ``kdeq.netprecision`` chooses, and on a CPU in calls of as many samples as
-    ``CPU_CALL_BYTES`` allows (at least one: the samples are independent)."""
+    shuffled back and cropped to ``size``: ``(N, 1 or 3, H, W)`` (``conv_stack``)."""
     prefix, features = ("net_colour", net.colour_channels) if colour else ("net", net.channels)
     assert features is not None, "a colour pass needs the colour network"
-    names = [f"{prefix}_{i}_{part}" for i in range(net.depth) for part in ("weight", "bias")]
+    return conv_stack(h, tensors, prefix, features, net.depth, size)
+
+
+def conv_stack(
+    h: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    prefix: str,
+    features: int,
+    depth: int,
+    size: tuple[int, int],
+) -> torch.Tensor:
+    """The ``depth`` 3×3 layers ``<prefix>_<i>`` of ``features`` features (ReLU between) on an unshuffled
+    input ``h`` ``(N, k, H', W')``, shuffled back and cropped to ``size``: ``(N, out/4, H, W)`` in ``h``'s
+    dtype; computed in the dtype ``kdeq.netprecision`` chooses, and on a CPU in calls of as many
+    samples as ``CPU_CALL_BYTES`` allows (at least one: the samples are independent)."""
+    names = [f"{prefix}_{i}_{part}" for i in range(depth) for part in ("weight", "bias")]
     grad = torch.is_grad_enabled() and (h.requires_grad or any(tensors[n].requires_grad for n in names))
     dtype = netprecision.dtype_for(h, features, grad)
     per_sample = features * h.shape[-2] * h.shape[-1] * h.element_size()
     step = max(1, CPU_CALL_BYTES // per_sample)
     if h.device.type == "cpu" and h.shape[0] > step:
         calls = range(0, h.shape[0], step)
-        return torch.cat([_layers(h[i : i + step], tensors, prefix, net.depth, size, dtype) for i in calls])
-    return _layers(h, tensors, prefix, net.depth, size, dtype)
+        return torch.cat([_layers(h[i : i + step], tensors, prefix, depth, size, dtype) for i in calls])
+    return _layers(h, tensors, prefix, depth, size, dtype)
 
 
 def _layers(
@@ -293,7 +336,7 @@ def network_input(u: torch.Tensor, sigma: torch.Tensor, level: torch.Tensor | No
     noise levels ``σ`` ``(N,)`` or ``(N, 1, 1, 1)`` in [0, 1] units: each channel of ``u`` less its mean
     (``level`` ``(N, k, 1, 1)`` when given), unshuffled together (channel-major), and a constant ``σ``
     map. ``N_θ`` reads one channel (``k = 1``), ``N_θ^c`` the three opponent channels (``k = 3``)."""
-    h = _unshuffle(u - (u.mean(dim=(2, 3), keepdim=True) if level is None else level))
+    h = unshuffle(u - (u.mean(dim=(2, 3), keepdim=True) if level is None else level))
     return torch.cat([h, sigma.to(h.dtype).reshape(-1, 1, 1, 1).expand(-1, 1, *h.shape[-2:])], dim=1)
 
 
@@ -365,7 +408,7 @@ def upscale_pilot(
     level = _per_opponent_level(level, u)
 
     def one(v: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-        h = _unshuffle(v - (v.mean(dim=(2, 3), keepdim=True) if level is None else level))
+        h = unshuffle(v - (v.mean(dim=(2, 3), keepdim=True) if level is None else level))
         h = torch.cat([h, torch.full_like(h[:, :1], 1.0 / scale)], dim=1)
         return v + _network(h, tensors, net, tuple(v.shape[-2:]))
 
@@ -391,7 +434,7 @@ def inpaint_pilot(
         centre = level
         if centre is None:
             centre = (u * m).sum(dim=(2, 3), keepdim=True) / m.sum(dim=(2, 3), keepdim=True)
-        h = torch.cat([_unshuffle(m * (u - centre)), _unshuffle(m)], dim=1)
+        h = torch.cat([unshuffle(m * (u - centre)), unshuffle(m)], dim=1)
         return ub + _network(h, tensors, net, tuple(u.shape[-2:]))
 
     return _per_opponent_channel(one, y, base)
@@ -406,5 +449,5 @@ def segment_mean(
 ) -> torch.Tensor:
     """The segmenter's logit mean ``m = N_θ(x − τ, t)`` ``(B, 1, H, W)`` for the luminance ``x`` and
     labels ``t`` ``(B, 1, H, W)`` and the thresholds ``τ`` ``(B,)``."""
-    h = torch.cat([_unshuffle(grey - tau.reshape(-1, 1, 1, 1)), _unshuffle(labels)], dim=1)
+    h = torch.cat([unshuffle(grey - tau.reshape(-1, 1, 1, 1)), unshuffle(labels)], dim=1)
     return _network(h, tensors, net, tuple(grey.shape[-2:]))

@@ -667,8 +667,8 @@ def test_models_are_read_loaded_and_unloaded_through_the_client(server, tmp_path
         gone, code, back, after = asyncio.run(unload_and_back())
         assert gone.serving is None and not gone.ready and code == "no_model"
         # no version: the highest
-        assert back.serving == after.serving == "denoise-kglm:6"
-        assert c.denoise(image, sigma=20).model == "denoise-kglm:6"
+        assert back.serving == after.serving == "denoise-kglm:7"
+        assert c.denoise(image, sigma=20).model == "denoise-kglm:7"
 
 
 def test_uncertainty_comes_back_as_an_array_sync_async_and_from_kdeq_remote(server, client, tmp_path) -> None:

@@ -201,6 +201,8 @@ class Task:
             ``None`` when they have none.
         chroma_prior_mean: whether its guided models may leave a colour image's colour differences
             at the prior mean (``GuidedArchitecture.chroma``).
+        refines_pilot: whether its models' means may read a pilot refined by non-local means
+            (``kdeq.guidenet.GuideNet.refine``, ``kdeq.refine``).
         score_name, score_label: the validation score's name in the trainer's metrics
             (``val_<score_name>``) and its axis label in the report; higher is better.
     """
@@ -219,6 +221,7 @@ class Task:
     architectures: ClassVar[tuple[str, ...]] = ("conv",)
     network: ClassVar[str | None] = None
     chroma_prior_mean: ClassVar[bool] = False
+    refines_pilot: ClassVar[bool] = False
     score_name: ClassVar[str] = "psnr"
     score_label: ClassVar[str] = "PSNR (dB)"
 
@@ -246,6 +249,8 @@ class Task:
             raise ValueError(f"the noise λ rule needs a noise level, which {self.name} requests do not carry")
         if getattr(arch, "chroma", "solved") != "solved" and not self.chroma_prior_mean:
             raise ValueError(f"the {self.name} task solves every channel: chroma 'prior_mean' is denoise's")
+        if arch.net is not None and arch.net.refine is not None and not self.refines_pilot:
+            raise ValueError(f"the {self.name} task's mean reads no refined pilot: refine is denoise's")
 
     def prepare(
         self,

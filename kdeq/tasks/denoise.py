@@ -34,6 +34,7 @@ class Denoise(Task):
     architectures = ("conv", "guided")
     network = "sigma"
     chroma_prior_mean = True
+    refines_pilot = True
 
     def check_spec(self, spec: ModelSpec) -> None:
         super().check_spec(spec)

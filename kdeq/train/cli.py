@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a checkpoint whose tensors of the spec's names (a guide network) replace the start's",
     )
     p.add_argument(
+        "--train-only",
+        nargs="+",
+        metavar="PREFIX",
+        help="train only the tensors whose names start with one of these (e.g. net_refine_)",
+    )
+    p.add_argument(
         "--colour-net",
         type=int,
         metavar="N",
@@ -119,6 +125,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values["spec"] = args.spec or f"{args.task}-kglm"
     values["mask_kinds"] = tuple(args.mask_kinds)
     values["psfs"], values["scales"] = tuple(args.psfs), tuple(args.scales)
+    values["train_only"] = tuple(args.train_only or ())
     return TrainConfig.model_validate(values)
 
 

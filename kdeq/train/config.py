@@ -31,6 +31,9 @@ class TrainConfig(BaseModel):
         warm_start: a checkpoint folder whose tensors replace the start's where the spec has one of
             the same name (and must then have its shape): e.g. a Gaussian denoiser's guide network
             as the photon-count model's start. At least one must be shared.
+        train_only: when given, the tensors trained are those whose names start with one of these
+            (``net_refine_``: the denoiser's non-local refinement, ``kdeq.refine``); every other tensor
+            and the ``λ`` factor stay as they start. Empty: the whole model.
         colour_net: grow the spec's σ-conditioned guide network a joint colour network of this many
             features (``kdeq.guidenet``), from ``init``'s start: with ``--warm-start`` on a trained
             denoiser and ``channels = 3``, training moves only what colour images reach.
@@ -80,6 +83,7 @@ class TrainConfig(BaseModel):
     spec: str
     init: Literal["kglm", "random"] = "kglm"
     warm_start: Path | None = None
+    train_only: tuple[str, ...] = ()
     colour_net: int | None = Field(None, ge=4, le=256)
     train: tuple[Path, ...] = Field(min_length=1)
     val: tuple[Path, ...] = Field(min_length=1)

@@ -331,7 +331,7 @@ def _train(
     spec = cfg.model_spec()
     fp = _fingerprint(cfg, rank.world)
     start = start_tensors(spec, cfg.init, cfg.seed, cfg.warm_start)
-    model = TrainableModel(spec, start, device, cfg.backward)
+    model = TrainableModel(spec, start, device, cfg.backward, cfg.train_only)
     # log-scale factors and one-element gains (a guide network's skip a and mean mixing β) move by
     # O(1) over a run, where the banks' absolute step would crawl
     scalars = [p for n, p in model.named_parameters() if not n.startswith("raw.") or p.numel() == 1]

@@ -50,6 +50,7 @@ from kdeq.checkpoint import (
     load_checkpoint,
     task_family,
 )
+from kdeq.guidenet import REFINE
 from kdeq.implicit import Backward
 from kdeq.initialize import init_tensors
 from kdeq.kernels import symbol_min_eigenvalue
@@ -127,6 +128,7 @@ class TrainableModel(nn.Module):
         tensors: dict[str, torch.Tensor],
         device: torch.device,
         backward: Backward = "implicit",
+        train_only: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -146,13 +148,21 @@ class TrainableModel(nn.Module):
             # a parameter is learned when a bank it makes (w2 = w1 + λΔw, v1 = v2 − λΔv) is read
             makes = {"w1": {"w1", "w2"}, "dw": {"w2"}, "dv": {"v1"}, "v2": {"v1", "v2"}}
             frozen_names |= {k for k in raw if not k.startswith("net_") and not makes.get(k, {k}) & reads}
+        if train_only:
+            frozen_names |= {k for k in raw if not k.startswith(train_only)}
+            if frozen_names >= set(raw):
+                raise ValueError(f"train_only {list(train_only)} names none of the tensors {sorted(raw)}")
         self.raw = nn.ParameterDict(
             {
                 k: nn.Parameter(v.to(device, torch.float32).clone(), requires_grad=k not in frozen_names)
                 for k, v in raw.items()
             }
         )
-        self.log_lam = nn.Parameter(torch.zeros((), device=device)) if self.guided else None
+        self.log_lam = (
+            nn.Parameter(torch.zeros((), device=device), requires_grad=not train_only)
+            if self.guided
+            else None
+        )
         self.log_bandwidth = (
             nn.Parameter(torch.zeros((), device=device), requires_grad=not self.has_net)
             if self.guided
@@ -178,11 +188,12 @@ class TrainableModel(nn.Module):
     def phase_parameters(self, pilot_only: bool) -> list[str]:
         """The names of the parameters a phase's loss depends on, in ``named_parameters`` order:
         every trainable one for the whole model; for the pilot phase (``pilot_only``) the guide
-        network's, its mean mixing ``β`` excepted, which only enters the solve's mean, as the
-        kernel banks and the ``λ`` factor do."""
+        network's, its mean mixing ``β`` and its refinement ``H_φ`` (``kdeq.refine``) excepted, which
+        only enter the solve's mean, as the kernel banks and the ``λ`` factor do."""
         if not pilot_only:
             return list(self._trainable)
-        return [n for n in self._trainable if n.startswith("raw.net_") and n != "raw.net_mean_mix"]
+        mean_only = ("raw.net_mean_mix", f"raw.{REFINE}_")
+        return [n for n in self._trainable if n.startswith("raw.net_") and not n.startswith(mean_only)]
 
     def set_phase(self, pilot_only: bool) -> None:
         """Let only ``phase_parameters(pilot_only)`` require gradients. A parameter that no loss of

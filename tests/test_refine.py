@@ -1,0 +1,213 @@
+"""The denoiser's non-local refinement (``kdeq.refine``): the non-local means of the guided kernel's
+patch distances against a dense float64 computation from explicit patches, the refined pilot against
+the same steps written out with ``nn`` modules, a zero last layer as the model refined from, and the
+option's config, task and training rules."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from pydantic import ValidationError
+from torch import nn
+
+from kdeq.adaptive import GuidedKernel, GuidedOperator
+from kdeq.checkpoint import Checkpoint, ModelSpec, load_checkpoint
+from kdeq.denoise import Denoiser
+from kdeq.filters import mirror_pad
+from kdeq.guidenet import REFINE, GuideNet, Refine
+from kdeq.kernels import Kernel
+from kdeq.refine import refined_pilot
+from kdeq.repository import default_models_dir, find_model, load_predictor
+from kdeq.tasks import TASKS
+from kdeq.train.model import TrainableModel, start_tensors
+from tests.test_guidenet import grown_spec
+from tests.test_tiling import noisy, solve
+
+SPATIAL = GuidedKernel(spatial=Kernel(profile="se", lengthscale=2.0, radius=3), patch_radius=1)
+
+
+def dense_nonlocal(guide: torch.Tensor, v: torch.Tensor, taps: torch.Tensor, p: int, h2: float, power: int):
+    """``(ν, log(1 + Σu/c))`` for one guide ``(c_g, H, W)`` and image ``(c, H, W)`` in float64 from each
+    pixel's explicit mirrored patch: ``u(x, x') = exp(−κ‖g(x) − g(x')‖²/2h²)`` for ``x' ≠ x`` inside the
+    image within the taps' window where the tap is non-zero, ``c(x) = max u``."""
+    _, height, width = guide.shape
+    r = taps.shape[0] // 2
+    padded = mirror_pad(guide[None].double(), p)[0]
+    patch = {
+        (i, j): padded[:, i : i + 2 * p + 1, j : j + 2 * p + 1].reshape(-1)
+        for i in range(height)
+        for j in range(width)
+    }
+    nu, spread = torch.zeros(v.shape, dtype=torch.float64), torch.zeros(1, height, width, dtype=torch.float64)
+    for (i, j), g in patch.items():
+        terms = []
+        for a in range(-r, r + 1):
+            for b in range(-r, r + 1):
+                k, m = i + a, j + b
+                if (a, b) == (0, 0) or not (0 <= k < height and 0 <= m < width) or taps[r + a, r + b] == 0:
+                    continue
+                u = math.exp(-power * float((g - patch[k, m]).square().sum()) / (2 * h2))
+                terms.append((u, v[:, k, m].double()))
+        c = max(u for u, _ in terms)
+        c = c if c > 0 else 1.0
+        total = sum(u for u, _ in terms)
+        nu[:, i, j] = (c * v[:, i, j].double() + sum(u * x for u, x in terms)) / (c + total)
+        spread[0, i, j] = math.log1p(total / c)
+    return nu, spread
+
+
+@pytest.mark.parametrize(("channels", "power", "budget"), [(1, 3, 1 << 30), (3, 2, 1 << 30), (1, 3, 1)])
+def test_nonlocal_means_match_a_dense_computation_from_explicit_patches(channels, power, budget) -> None:
+    """Kept weights, and weights made again a part at a time (a one-byte budget), both; the weights
+    are computed in float32 and divided by their taps, hence the tolerance."""
+    gen = torch.Generator().manual_seed(3)
+    guide = torch.rand(2, channels, 9, 11, generator=gen)
+    v = torch.rand(2, 2, 9, 11, generator=gen)
+    taps = SPATIAL.spatial.filter()
+    h2 = torch.tensor([0.4, 0.9])
+    op = GuidedOperator(guide, taps, SPATIAL.patch_radius, h2, normalize=True, budget=budget)
+    assert (op.parts > 1) == (budget == 1)
+    nu, spread = op.nonlocal_mean(v, power)
+    for k in range(2):
+        want_nu, want_spread = dense_nonlocal(guide[k], v[k], taps, SPATIAL.patch_radius, float(h2[k]), power)
+        assert torch.allclose(nu[k].double(), want_nu, atol=2e-5)
+        assert torch.allclose(spread[k].double(), want_spread, atol=2e-5)
+    # the mass is bounded by the window: c is the sum's largest term
+    assert float(spread.max()) <= math.log(taps.numel()) + 1e-6
+
+
+def test_a_padded_batch_gives_each_image_its_own_nonlocal_means() -> None:
+    gen = torch.Generator().manual_seed(5)
+    small, large = torch.rand(1, 1, 7, 8, generator=gen), torch.rand(1, 1, 10, 12, generator=gen)
+    batch = torch.zeros(2, 1, 10, 12)
+    batch[0, :, :7, :8], batch[1] = small[0], large[0]
+    taps, h2 = SPATIAL.spatial.filter(), torch.tensor([0.5, 0.5])
+    op = GuidedOperator(batch, taps, 1, h2, True, sizes=[(7, 8), (10, 12)])
+    nu, spread = op.nonlocal_mean(batch, 3)
+    for k, image in enumerate((small, large)):
+        alone = GuidedOperator(image, taps, 1, h2[:1], True).nonlocal_mean(image, 3)
+        h, w = image.shape[-2:]
+        assert torch.allclose(nu[k : k + 1, :, :h, :w], alone[0], atol=1e-6)
+        assert torch.allclose(spread[k : k + 1, :, :h, :w], alone[1], atol=1e-6)
+
+
+def reference_refined(op, y, p, sigma, t, refine: Refine) -> torch.Tensor:
+    """``p + a ⊙ (ν − p)`` with ``H_φ`` by ``nn`` modules."""
+    nu, spread = op.nonlocal_mean(y, refine.sharpness)
+    s = sigma.reshape(-1, 1, 1, 1)
+    h = nn.PixelUnshuffle(2)(torch.cat([(nu - p) / s, (y - p) / s, spread], dim=1))
+    h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
+    for i in range(refine.depth):
+        h = F.conv2d(h, t[f"{REFINE}_{i}_weight"], t[f"{REFINE}_{i}_bias"], padding=1)
+        h = torch.relu(h) if i < refine.depth - 1 else h
+    return p + nn.PixelShuffle(2)(h) * (nu - p)
+
+
+def test_the_refined_pilot_matches_an_independent_network() -> None:
+    refine = Refine(depth=3, channels=6)
+    net = GuideNet(depth=2, channels=4, refine=refine)
+    gen = torch.Generator().manual_seed(7)
+    shapes = {n: shape for n, shape in net.shapes().items() if n.startswith(REFINE)}
+    t = {n: 0.3 * torch.randn(shape, generator=gen) for n, shape in shapes.items()}
+    y, p = torch.rand(2, 1, 12, 14, generator=gen), torch.rand(2, 1, 12, 14, generator=gen)
+    sigma = torch.tensor([0.05, 0.2])
+    op = GuidedOperator(p, SPATIAL.spatial.filter(), 1, torch.tensor([0.3, 0.6]), True)
+    got = refined_pilot(op, y, p, sigma, t, refine)
+    assert torch.allclose(got, reference_refined(op, y, p, sigma, t, refine), atol=1e-5)
+    assert (got - p).abs().amax() > 1e-3  # a network that moves the pilot
+    # a padded batch: each image refined as it would be alone
+    batch, pilots = torch.zeros(2, 1, 12, 14), torch.zeros(2, 1, 12, 14)
+    batch[0, :, :9, :10], batch[1] = y[0, :, :9, :10], y[1]
+    pilots[0, :, :9, :10], pilots[1] = p[0, :, :9, :10], p[1]
+    sizes = [(9, 10), (12, 14)]
+    op = GuidedOperator(pilots, SPATIAL.spatial.filter(), 1, torch.tensor([0.3, 0.6]), True, sizes=sizes)
+    padded = refined_pilot(op, batch, pilots, sigma, t, refine, sizes)
+    alone = GuidedOperator(pilots[:1, :, :9, :10], SPATIAL.spatial.filter(), 1, torch.tensor([0.3]), True)
+    first = refined_pilot(alone, batch[:1, :, :9, :10], pilots[:1, :, :9, :10], sigma[:1], t, refine)
+    assert torch.allclose(padded[:1, :, :9, :10], first, atol=1e-6)
+    assert torch.equal(padded[0, :, 9:], pilots[0, :, 9:])
+    with pytest.raises(ValueError, match="grey images"):
+        refined_pilot(op, batch.expand(-1, 3, -1, -1), pilots.expand(-1, 3, -1, -1), sigma, t, refine)
+
+
+def with_refine(checkpoint: Checkpoint, refine: Refine, tensors: dict[str, torch.Tensor]) -> Checkpoint:
+    arch = checkpoint.config.architecture
+    net = arch.net.model_copy(update={"refine": refine})
+    config = checkpoint.config.model_copy(update={"architecture": arch.model_copy(update={"net": net})})
+    return Checkpoint(config, {**checkpoint.tensors, **tensors}, checkpoint.path)
+
+
+def test_a_refinement_at_its_start_is_the_model_it_refines() -> None:
+    """``H_φ``'s last layer at zero (``GuideNet.kglm_start``): the outputs are bit for bit the unrefined
+    model's, grey and colour; moved off zero, a grey image's are not, a colour image's still are."""
+    checkpoint = load_checkpoint(find_model(default_models_dir(), "denoise-kglm", 6))
+    base = Denoiser(checkpoint)
+    refine = Refine()
+    net = base.config.architecture.net.model_copy(update={"refine": refine})
+    start = {n: t for n, t in net.kglm_start().items() if n.startswith(REFINE)}
+    assert all(float(start[n].abs().max()) == 0 for n in net.last_layers() if n.startswith(REFINE))
+    refined = Denoiser(with_refine(checkpoint, refine, start))
+    gen = torch.Generator().manual_seed(2)
+    for channels in (1, 3):
+        y = torch.rand(1, channels, 40, 44, generator=gen)
+        assert torch.equal(refined.predict(y, sigma=25).output, base.predict(y, sigma=25).output)
+    moved = dict(start)
+    moved[f"{REFINE}_{refine.depth - 1}_bias"] = torch.full((4,), 0.5)
+    y = torch.rand(1, 1, 40, 44, generator=gen)
+    out = Denoiser(with_refine(checkpoint, refine, moved)).predict(y, sigma=25).output
+    assert (out - base.predict(y, sigma=25).output).abs().amax() > 1e-3
+    # colour images are not refined (kdeq.denoise): the unrefined model's output, bit for bit
+    y = torch.rand(1, 3, 40, 44, generator=gen)
+    out = Denoiser(with_refine(checkpoint, refine, moved)).predict(y, sigma=25).output
+    assert torch.equal(out, base.predict(y, sigma=25).output)
+
+
+def test_the_option_is_written_only_when_set_and_only_for_the_denoisers_sigma_network() -> None:
+    plain = GuideNet(depth=3, channels=8)
+    refined = GuideNet(depth=3, channels=8, refine=Refine(depth=2, channels=4))
+    assert "refine" not in plain.model_dump()
+    assert refined.model_dump()["refine"] == {"depth": 2, "channels": 4, "sharpness": 3}
+    assert {n for n in refined.shapes() if n.startswith(REFINE)} == {
+        f"{REFINE}_{i}_{part}" for i in range(2) for part in ("weight", "bias")
+    }
+    assert refined.shapes()[f"{REFINE}_0_weight"] == (4, 13, 3, 3)
+    spec = grown_spec(refined)
+    assert ModelSpec.model_validate_json(spec.model_dump_json()) == spec
+    TASKS["denoise"].check_spec(spec)
+    with pytest.raises(ValidationError, match="refinement"):
+        GuideNet(depth=3, channels=8, condition="mask", refine=Refine())
+    deblur = spec.model_copy(update={"task": "deblur"})
+    with pytest.raises(ValueError, match="refine is denoise's"):
+        TASKS["deblur"].check_spec(deblur)
+    with pytest.raises(ValidationError):
+        Refine(sharpness=1.5)
+
+
+def test_train_only_moves_the_named_tensors_and_the_pilot_phase_leaves_the_refinement() -> None:
+    spec = grown_spec(GuideNet(depth=2, channels=4, refine=Refine(depth=2, channels=4)))
+    start = start_tensors(spec, "kglm", 0)
+    model = TrainableModel(spec, start, torch.device("cpu"), train_only=(REFINE,))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {f"raw.{n}" for n in start if n.startswith(REFINE)}
+    whole = TrainableModel(spec, start, torch.device("cpu"))
+    assert {n for n in whole.phase_parameters(pilot_only=True) if REFINE in n} == set()
+    assert {n for n in whole.phase_parameters(pilot_only=False) if REFINE in n} == {
+        f"raw.{n}" for n in start if n.startswith(REFINE)
+    }
+    with pytest.raises(ValueError, match="names none"):
+        TrainableModel(spec, start, torch.device("cpu"), train_only=("nothing_",))
+
+
+def test_the_refined_default_tiled_matches_the_untiled_solve() -> None:
+    """``Denoiser.reach`` covers ``p'``'s non-local mean and ``H_φ``: at halo = reach a grey image's
+    tiles match the whole image's solve (tol 10⁻⁶) to 10⁻³; without a halo they do not."""
+    model = load_predictor(find_model(default_models_dir(), "denoise-kglm", 7))
+    assert model.config.architecture.net.refine is not None
+    image = noisy(150, 206, colour=False, seed=3)
+    whole = solve(model, image, 25.0, tol=1e-6)
+    cut = solve(model, image, 25.0, tol=1e-6, size=64)
+    bare = solve(model, image, 25.0, tol=1e-6, size=64, halo=0)
+    assert np.abs(cut.output - whole.output).max() < 1e-3
+    assert np.abs(bare.output - whole.output).max() > 3e-2
