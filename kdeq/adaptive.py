@@ -232,8 +232,6 @@ def _zero_outside(w: torch.Tensor, offsets: Offsets, sizes: Sizes | None) -> Non
 
 
 _CHUNK = 4
-#: offsets whose sharpened weights ``GuidedOperator.nonlocal_mean`` holds at a time
-_NONLOCAL_CHUNK = 4
 _CUTOFF = -60.0
 _FLOOR = math.exp(_CUTOFF)
 
@@ -477,40 +475,29 @@ class GuidedOperator:
         is the sum's largest term). Not differentiated."""
         spatial = self._args[1]
         r = spatial.shape[0] // 2
-        both = torch.cat([torch.ones_like(v[:, :1]), v], dim=1)
-        total = torch.zeros_like(both)
         height, width = v.shape[-2:]
-        # c over both directions: u_o(x) is a match of x at +o and of x + o at −o
-        best = v.new_zeros(v.shape[0], 1, height + 2 * r, width + 2 * r)
+        taps = spatial.tolist()
+        # [1, v], its mass and matches, and c, on the image padded by R: u_o(x) is a match of x at +o
+        # and of x + o at −o, so each offset's map adds to both, as K's weights do (apply_weights);
+        # one offset at a time, its map in cache for the four products
+        both = F.pad(torch.cat([torch.ones_like(v[:, :1]), v], dim=1), (r, r, r, r))
+        total, best = torch.zeros_like(both), torch.zeros_like(both[:, :1])
+        here = (..., slice(r, r + height), slice(r, r + width))
         with torch.no_grad():
             for part, weights in self._weight_parts():
-                taps = torch.stack([spatial[r + a, r + b] for a, b in part]).reshape(1, -1, 1, 1)
-                # w/k_s ≥ 0 whatever the taps' signs; the centre, and a zero tap's offset, weigh 0
-                inverse = torch.where(taps != 0, 1 / torch.where(taps != 0, taps, 1.0), 0.0)
-                inverse[:, [k for k, o in enumerate(part) if o == (0, 0)]] = 0
-                signs = bool((taps < 0).any())
-                scratch, square = weights.new_empty(2, weights.shape[0], _NONLOCAL_CHUNK, *weights.shape[-2:])
-                for start in range(0, len(part), _NONLOCAL_CHUNK):
-                    chosen = part[start : start + _NONLOCAL_CHUNK]
-                    u = torch.mul(
-                        weights[:, start : start + len(chosen)],
-                        inverse[:, start : start + len(chosen)],
-                        out=scratch[:, : len(chosen)],
-                    )
-                    if signs:
-                        u.abs_()
-                    if power > 1:
-                        e = torch.mul(u, u, out=square[:, : len(chosen)])
-                        for _ in range(power - 2):
-                            e.mul_(u)
-                        u = e
-                    total += apply_weights(u, both, chosen)
-                    here = best[..., r : r + height, r : r + width]
-                    torch.maximum(here, u.amax(dim=1, keepdim=True), out=here)
-                    for k, (a, b) in enumerate(chosen):
-                        there = best[..., r + a : r + a + height, r + b : r + b + width]
-                        torch.maximum(there, u[:, k : k + 1], out=there)
-            best = best[..., r : r + height, r : r + width]
+                u = weights.new_empty(weights.shape[0], 1, height, width)
+                for k, (a, b) in enumerate(part):
+                    tap = taps[r + a][r + b]
+                    if (a, b) == (0, 0) or tap == 0:
+                        continue  # the centre weighs c; a zero tap's offset has no weight
+                    # w/k_s ≥ 0 whatever the tap's sign
+                    torch.mul(weights[:, k : k + 1], abs(1 / tap), out=u).pow_(power)
+                    there = (..., slice(r + a, r + a + height), slice(r + b, r + b + width))
+                    total[here].addcmul_(u, both[there])
+                    total[there].addcmul_(u, both[here])
+                    torch.maximum(best[here], u, out=best[here])
+                    torch.maximum(best[there], u, out=best[there])
+            total, best = total[here], best[here]
             centre = torch.where(best > 0, best, 1.0)
             mean = (total[:, 1:] + centre * v) / (total[:, :1] + centre)
             return mean, torch.log1p(total[:, :1] / centre)

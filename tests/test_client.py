@@ -648,7 +648,7 @@ def test_models_are_read_loaded_and_unloaded_through_the_client(server, tmp_path
     with run_server(tmp_path, models="denoise-kglm:2", model_control="true") as s, Client(s.url) as c:
         state = c.model("denoise-kglm")
         assert (state.serving, state.version, state.ready) == ("denoise-kglm:2", 2, True)
-        assert state.versions == (1, 2, 3, 4, 5, 6) and state.devices == ("cpu",)
+        assert state.versions == (1, 2, 3, 4, 5, 6, 7) and state.devices == ("cpu",)
         assert c.load_model("denoise-kglm", version=1).serving == "denoise-kglm:1"
         assert c.denoise(image, sigma=20).model == "denoise-kglm:1"
         with pytest.raises(InvalidRequestError) as missing:

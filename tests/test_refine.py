@@ -185,7 +185,7 @@ def test_the_option_is_written_only_when_set_and_only_for_the_denoisers_sigma_ne
         Refine(sharpness=1.5)
 
 
-def test_train_only_moves_the_named_tensors_and_the_pilot_phase_leaves_the_refinement() -> None:
+def test_train_only_moves_the_named_tensors_alone_and_the_pilot_phase_leaves_the_refinement() -> None:
     spec = grown_spec(GuideNet(depth=2, channels=4, refine=Refine(depth=2, channels=4)))
     start = start_tensors(spec, "kglm", 0)
     model = TrainableModel(spec, start, torch.device("cpu"), train_only=(REFINE,))
@@ -198,6 +198,12 @@ def test_train_only_moves_the_named_tensors_and_the_pilot_phase_leaves_the_refin
     }
     with pytest.raises(ValueError, match="names none"):
         TrainableModel(spec, start, torch.device("cpu"), train_only=("nothing_",))
+    # without a network: the named bank alone, the λ and bandwidth factors kept
+    bare = spec.model_copy(update={"architecture": spec.architecture.model_copy(update={"net": None})})
+    model = TrainableModel(bare, start_tensors(bare, "kglm", 0), torch.device("cpu"), train_only=("spatial",))
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {"raw.spatial"}
+    free = TrainableModel(bare, start_tensors(bare, "kglm", 0), torch.device("cpu"))
+    assert {"log_lam", "log_bandwidth"} <= {n for n, p in free.named_parameters() if p.requires_grad}
 
 
 def test_the_refined_default_tiled_matches_the_untiled_solve() -> None:

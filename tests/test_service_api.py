@@ -285,7 +285,7 @@ def test_metrics_move_with_requests(client: TestClient) -> None:
         ({"model": "../../etc"}, None, 400, "invalid_model"),
         ({"model": "nope"}, None, 404, "no_model"),
         ({"model": "segment-kglm"}, None, 404, "no_model"),
-        ({"model": "denoise-kglm:7"}, None, 404, "no_model"),
+        ({"model": "denoise-kglm:8"}, None, 404, "no_model"),
         ({}, {"image": b""}, 400, "empty_file"),
         ({}, {"image": b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4}, 415, "unsupported_media_type"),
         ({}, {"image": np.random.default_rng(0).bytes(3000)}, 415, "unsupported_media_type"),

@@ -163,8 +163,9 @@ class TrainableModel(nn.Module):
             if self.guided
             else None
         )
+        # not tensors of the checkpoint, but train_only keeps the bandwidth factor as it keeps λ's
         self.log_bandwidth = (
-            nn.Parameter(torch.zeros((), device=device), requires_grad=not self.has_net)
+            nn.Parameter(torch.zeros((), device=device), requires_grad=not (self.has_net or train_only))
             if self.guided
             else None
         )
