@@ -14,6 +14,7 @@ from torch import nn
 
 from kdeq.adaptive import GuidedKernel, GuidedOperator
 from kdeq.checkpoint import Checkpoint, ModelSpec, load_checkpoint
+from kdeq.cli import main as kdeq_main
 from kdeq.denoise import Denoiser
 from kdeq.filters import mirror_pad
 from kdeq.guidenet import REFINE, GuideNet, Refine
@@ -24,6 +25,7 @@ from kdeq.tasks import TASKS
 from kdeq.train.model import TrainableModel, start_tensors
 from tests.test_guidenet import grown_spec
 from tests.test_tiling import noisy, solve
+from tests.test_train import smooth_images
 
 SPATIAL = GuidedKernel(spatial=Kernel(profile="se", lengthscale=2.0, radius=3), patch_radius=1)
 
@@ -217,3 +219,28 @@ def test_the_refined_default_tiled_matches_the_untiled_solve() -> None:
     bare = solve(model, image, 25.0, tol=1e-6, size=64, halo=0)
     assert np.abs(cut.output - whole.output).max() < 1e-3
     assert np.abs(bare.output - whole.output).max() > 3e-2
+
+
+def test_kdeq_train_only_trains_the_refinement_and_keeps_every_other_tensor(tmp_path) -> None:
+    """``kdeq train --train-only net_refine_ net_mean_mix`` from a refined spec's kGLM start (``β`` = 0
+    there, so the refinement needs ``β`` to reach the output): the refinement's last layer and ``β``
+    leave zero, every other tensor and ``λ`` are written back bit for bit as they started."""
+    spec = grown_spec(GuideNet(depth=2, channels=4, refine=Refine(depth=2, channels=4)))
+    path = tmp_path / "spec.json"
+    path.write_text(spec.model_dump_json())
+    train_dir = smooth_images(tmp_path / "train", 6, 40, 0)
+    val_dir = smooth_images(tmp_path / "val", 2, 32, 1)
+    out = tmp_path / "refined" / "1"
+    argv = ["train", "--task", "denoise", "--spec", str(path), "--train", str(train_dir)]
+    argv += ["--val", str(val_dir), "--out", str(out), "--epochs", "2", "--samples-per-epoch", "8"]
+    argv += ["--batch-size", "4"]
+    argv += ["--patch-size", "24", "--lr", "0.01", "--workers", "0", "--device", "cpu", "--quiet"]
+    assert kdeq_main([*argv, "--train-only", REFINE, "net_mean_mix"]) == 0
+    trained = load_checkpoint(out)
+    start = start_tensors(spec, "kglm", 0)
+    assert trained.config.lam == spec.lam
+    for name, tensor in start.items():
+        if not name.startswith((REFINE, "net_mean_mix")):
+            assert torch.equal(trained.tensors[name], tensor), name
+    assert float(trained.tensors[f"{REFINE}_1_weight"].abs().max()) > 0
+    assert float(trained.tensors["net_mean_mix"].abs().max()) > 0
