@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -231,9 +231,24 @@ def _zero_outside(w: torch.Tensor, offsets: Offsets, sizes: Sizes | None) -> Non
             w[:, j, :, : min(-b, width)].zero_()
 
 
+def _power_(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x^k`` in place for an integer ``k ≥ 1``: its odd part by ``pow``, then squarings (the CPU's
+    ``pow`` is ~14× slower beyond a cube than its products, on this project's 2-core machine)."""
+    twos = (k & -k).bit_length() - 1
+    if k >> twos > 1:
+        x.pow_(k >> twos)
+    for _ in range(twos):
+        x.square_()
+    return x
+
+
 _CHUNK = 4
 _CUTOFF = -60.0
 _FLOOR = math.exp(_CUTOFF)
+
+#: about one core's cache: the patch-aggregated non-local mean processes as many offsets' maps
+#: together as fit in it (``GuidedOperator.nonlocal_mean``)
+_MATCH_CACHE_BYTES = 1 << 20
 
 
 def _window_sum(x: torch.Tensor, n: int, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -462,45 +477,143 @@ class GuidedOperator:
         for part in self._parts:
             yield part, guided_weights(*self._args, part, self._sizes)
 
-    def nonlocal_mean(self, v: torch.Tensor, power: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def nonlocal_mean(
+        self, v: torch.Tensor, power: int, patches: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Non-local means of ``v`` ``(B, c, H, W)`` with this kernel's patch distances at the bandwidth
         ``h/√κ`` (``κ = power``) over its whole window, and the matches' mass:
 
             u_o(x) = (w_o(x)/k_s(o))^κ = exp(−κ‖g(x) − g(x+o)‖²/2h²),    o ≠ 0, both directions,
-            ν(x) = (c(x)·v(x) + Σ_o u_o(x)·v(x+o)) / (c(x) + Σ_o u_o(x)),
+            ν(x) = (c(x)·v(x) + Σ_o u_o(x)·v(x+o)) / Z(x),    Z(x) = c(x) + Σ_o u_o(x),
             c(x) = max_o u_o(x) (1 where it is 0: no match, ν = v),
 
-        the centre weighing as the best match rather than as ``u_0 = 1``, non-local means' rule. Returns
-        ``ν`` ``(B, c, H, W)`` and ``log(1 + Σ_o u_o / c)`` ``(B, 1, H, W)``, at most ``log (2R+1)²`` (``c``
-        is the sum's largest term). Not differentiated."""
+        the centre weighing as the best match rather than as ``u_0 = 1``, non-local means' rule. With
+        ``patches``, each patch's group of matches estimates every pixel of the patch, and a pixel's
+        estimate averages those of the ``(2p+1)²`` patches that cover it (block matching's
+        aggregation), the weights normalised symmetrically as the kernel's are:
+
+            ν(q) = Σ_{|d|≤p} Σ_o s_o(q−d)·v(q+o) / Σ_{|d|≤p} Σ_o s_o(q−d),
+            s_o(z) = u_o(z)/√(Z(z)·Z(z+o)),   s_0(z) = c(z)/Z(z),
+
+        over patch centres ``z`` inside the image. Returns ``ν`` ``(B, c, H, W)`` and
+        ``log(1 + Σ_o u_o / c)`` ``(B, 1, H, W)``, at most ``log (2R+1)²`` (``c`` is the sum's largest
+        term). Not differentiated."""
         spatial = self._args[1]
         r = spatial.shape[0] // 2
         height, width = v.shape[-2:]
-        taps = spatial.tolist()
         # [1, v], its mass and matches, and c, on the image padded by R: u_o(x) is a match of x at +o
-        # and of x + o at −o, so each offset's map adds to both, as K's weights do (apply_weights);
-        # one offset at a time, its map in cache for the four products
-        both = F.pad(torch.cat([torch.ones_like(v[:, :1]), v], dim=1), (r, r, r, r))
-        total, best = torch.zeros_like(both), torch.zeros_like(both[:, :1])
+        # and of x + o at −o, so each offset's map adds to both, as K's weights do (apply_weights).
+        # The 1 is 0 on a padded batch's padding: a patch's pixels may lie there, its centre not
+        inside = torch.ones_like(v[:, :1])
+        if self._sizes is not None:
+            inside = _inside((height, width), [(0, 0)], v.device, self._sizes).to(v.dtype)
+        both = F.pad(torch.cat([inside, v], dim=1), (r, r, r, r))
+        # the patch mean needs Z alone from this pass: the mass without the matches
+        summed = both[:, :1] if patches else both
+        total, best = torch.zeros_like(summed), torch.zeros_like(both[:, :1])
         here = (..., slice(r, r + height), slice(r, r + width))
+        total_here, summed_here, best_here = total[here], summed[here], best[here]
+
+        def add(u: torch.Tensor, offsets: Offsets) -> None:
+            a, b = offsets[0]
+            there = (..., slice(r + a, r + a + height), slice(r + b, r + b + width))
+            total_here.addcmul_(u, summed[there])
+            total[there].addcmul_(u, summed_here)
+            torch.maximum(best_here, u, out=best_here)
+            best_there = best[there]
+            torch.maximum(best_there, u, out=best_there)
+
         with torch.no_grad():
-            for part, weights in self._weight_parts():
-                u = weights.new_empty(weights.shape[0], 1, height, width)
-                for k, (a, b) in enumerate(part):
-                    tap = taps[r + a][r + b]
-                    if (a, b) == (0, 0) or tap == 0:
-                        continue  # the centre weighs c; a zero tap's offset has no weight
-                    # w/k_s ≥ 0 whatever the tap's sign
-                    torch.mul(weights[:, k : k + 1], abs(1 / tap), out=u).pow_(power)
-                    there = (..., slice(r + a, r + a + height), slice(r + b, r + b + width))
-                    total[here].addcmul_(u, both[there])
-                    total[there].addcmul_(u, both[here])
-                    torch.maximum(best[here], u, out=best[here])
-                    torch.maximum(best[there], u, out=best[there])
-            total, best = total[here], best[here]
-            centre = torch.where(best > 0, best, 1.0)
-            mean = (total[:, 1:] + centre * v) / (total[:, :1] + centre)
-            return mean, torch.log1p(total[:, :1] / centre)
+            self._each_match(power, add)
+            mass, centre = total[here][:, :1], best[here]
+            centre = torch.where(centre > 0, centre, 1.0)
+            spread = torch.log1p(mass / centre)
+            if not patches:
+                return (total[here][:, 1:] + centre * v) / (mass + centre), spread
+            return self._patch_mean(v, both, centre, mass, inside, power), spread
+
+    def _each_match(self, power: int, step: Callable[[torch.Tensor, Offsets], None], chunk: int = 1) -> None:
+        """``step(u, offsets)`` for runs of at most ``chunk`` offsets ``o = (a, b) ≠ 0`` of the half set
+        whose taps are not 0, with ``u_o = (w_o/k_s(o))^κ`` ``(B, len(offsets), H, W)`` in one buffer: a
+        few maps at a time, in cache for ``step``'s products."""
+        spatial = self._args[1]
+        r = spatial.shape[0] // 2
+        taps = spatial.tolist()
+        for part, weights in self._weight_parts():
+            buffer = weights.new_empty(weights.shape[0], chunk, *weights.shape[-2:])
+            # the centre weighs c; a zero tap's offset has no weight
+            kept = [k for k, (a, b) in enumerate(part) if (a, b) != (0, 0) and taps[r + a][r + b] != 0]
+            while kept:
+                run = [kept[0]]
+                while len(run) < chunk and len(run) < len(kept) and kept[len(run)] == run[-1] + 1:
+                    run.append(kept[len(run)])
+                kept = kept[len(run) :]
+                offsets = [part[k] for k in run]
+                # w/k_s ≥ 0 whatever the tap's sign
+                inverse = [abs(1 / taps[r + a][r + b]) for a, b in offsets]
+                u = buffer[:, : len(run)]
+                if len(run) == 1:
+                    torch.mul(weights[:, run[0] : run[0] + 1], inverse[0], out=u)
+                else:
+                    scale = weights.new_tensor(inverse).reshape(1, -1, 1, 1)
+                    torch.mul(weights[:, run[0] : run[-1] + 1], scale, out=u)
+                step(_power_(u, power), offsets)
+
+    def _patch_mean(
+        self,
+        v: torch.Tensor,
+        both: torch.Tensor,
+        centre: torch.Tensor,
+        mass: torch.Tensor,
+        inside: torch.Tensor,
+        power: int,
+    ) -> torch.Tensor:
+        """``nonlocal_mean``'s patch-aggregated ``ν`` ``(B, c, H, W)`` from ``c``, ``Σ_o u_o`` and
+        ``1[x ∈ image]`` ``(B, 1, H, W)`` and ``[1, v]`` padded by the window's radius ``R``."""
+        spatial, p = self._args[1], self._args[2]
+        r, n = spatial.shape[0] // 2, 2 * p + 1
+        height, width = v.shape[-2:]
+        here = (..., slice(r, r + height), slice(r, r + width))
+        # Z^{-1/2} at patch centres inside the image, 0 elsewhere: a group is only an image's patch
+        scale = F.pad((centre + mass).rsqrt() * inside, (r, r, r, r))
+        total = torch.zeros_like(both)
+        # a few offsets' maps at a time, together within about a core's cache: fewer, larger
+        # operations where the maps are small, one map at a time where one fills it (the pass is
+        # bound by memory: all of a row's offsets at once was slower, BENCHMARKS)
+        chunk = max(1, min(16, _MATCH_CACHE_BYTES // (both.shape[0] * height * width * both.element_size())))
+        box_in = both.new_zeros(both.shape[0], chunk, height + 2 * p, width + 2 * p)
+        rows = both.new_empty(both.shape[0], chunk, height + 2 * p, width)
+        boxed = both.new_empty(both.shape[0], chunk, height, width)
+
+        def interior(k: int) -> torch.Tensor:
+            return box_in[:, :k, p : p + height, p : p + width]
+
+        def box_sums(k: int) -> torch.Tensor:
+            return _window_sum(_window_sum(box_in[:, :k], n, -1, rows[:, :k]), n, -2, boxed[:, :k])
+
+        total_here, both_here, scale_here = total[here], both[here], scale[here]
+        # c/Z, not c·s²: s² overflows where Z is subnormal (u_o^κ of weak matches)
+        torch.div(centre, centre + mass, out=interior(1)).mul_(inside)
+        total_here.addcmul_(box_sums(1), both_here)
+
+        # each group's weights summed over the patches covering a pixel: a box sum of s_o over centres,
+        # the box zero beyond the image (no patch is centred there); one box serves o and −o, since
+        # s_o(z) = s_{−o}(z + o) and a pixel q + d of z + o's patch matches q + d − o of z's
+        def add(u: torch.Tensor, offsets: Offsets) -> None:
+            k = len(offsets)
+            inner = torch.mul(u, scale_here, out=interior(k))
+            for j, (a, b) in enumerate(offsets):
+                inner[:, j : j + 1].mul_(scale[..., r + a : r + a + height, r + b : r + b + width])
+            sums = box_sums(k)
+            for j, (a, b) in enumerate(offsets):
+                there = (..., slice(r + a, r + a + height), slice(r + b, r + b + width))
+                total_here.addcmul_(sums[:, j : j + 1], both[there])
+                total[there].addcmul_(sums[:, j : j + 1], both_here)
+
+        self._each_match(power, add, chunk)
+        total = total[here]
+        # a padded batch's padding is no image's pixel: v as it is there
+        return torch.where(inside > 0, total[:, 1:] / total[:, :1], v)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``K̃ x``: ``K x``, or ``s ⊙ K(s ⊙ x)`` with ``s = d^{-1/2}`` when normalised."""

@@ -60,8 +60,9 @@ class Denoiser(Predictor):
         Guided: the pilot reads ``2·depth + 1`` pixels (3×3 layers on the 2×2-unshuffled image), the
         pre-smoothing its radius; a weight ``w(x, x + o)``, ``|o|∞ ≤ R``, reads the guide's patches
         (radius ``p``) at both ends, and the normalisation ``d(x + o)`` another ``R``; a refined pilot
-        ``p'`` (``kdeq.refine``) the non-local mean within its network's reach. Stationary: the
-        kernel's radius. Either: at least a normalised-convolution mean's radius."""
+        ``p'`` (``kdeq.refine``) the non-local mean within its network's reach (a patch-aggregated mean
+        reads ``p + R`` further). Stationary: the kernel's radius. Either: at least a
+        normalised-convolution mean's radius."""
         arch = self.config.architecture
         mean = self.mean_taps.shape[0] // 2 if self.config.mean == "normalized_convolution" else 0
         if isinstance(arch, GuidedArchitecture):
@@ -70,9 +71,14 @@ class Denoiser(Predictor):
                 guide = max(guide, 2 * arch.net.depth + 1)
             window = arch.kernel.spatial.radius
             rows = guide + arch.kernel.patch_radius + 2 * window
-            if arch.net is not None and arch.net.refine is not None:
-                # p' reads ν within H_φ's reach (2·depth + 1), ν the guide's patches a window away
-                rows = max(rows, guide + arch.kernel.patch_radius + window + 2 * arch.net.refine.depth + 1)
+            refine = None if arch.net is None else arch.net.refine
+            if refine is not None:
+                # p' reads ν within H_φ's reach (2·depth + 1), ν the guide's patches a window away;
+                # aggregated by patch, the patches covering a pixel (p more) and the normalisation of
+                # their matches (a window more)
+                reads = arch.kernel.patch_radius + window
+                reads *= 2 if refine.aggregate == "patch" else 1
+                rows = max(rows, guide + reads + 2 * refine.depth + 1)
             return max(rows, mean)
         return max(self.tensors["w1"].shape[-1] // 2, mean)
 
@@ -236,7 +242,7 @@ class Denoiser(Predictor):
     ) -> tuple[KGLMDEQ, torch.Tensor | None, torch.Tensor | None]:
         """The guided layer, its mean ``m`` and the guide network's pilot ``p`` (``None`` without one),
         each ``(B, c, H, W)``; with a non-local refinement (``kdeq.refine``) a grey image's ``p'`` takes
-        ``p``'s place in ``m``."""
+        ``p``'s place in ``m``, and a colour image's with the refinement's colour network."""
         local = self.config.mean == "local"
         op, pilot_image = self.guided_operator(x, s, sizes, level, mean_of=x if local else None)
         # a local mean keeps the padding's 0: it has no kernel mass (d = 0)
@@ -244,9 +250,10 @@ class Denoiser(Predictor):
         if pilot_image is not None:
             refine = self.config.architecture.net.refine
             p = pilot_image
-            # grey images only: a colour image's kernel compares colour patches, whose matches H_φ,
-            # trained on grey images, misreads (0.02-0.04 dB lost on unseen colour scenes, BENCHMARKS)
-            if refine is not None and x.shape[1] == 1:
+            # a colour image only with a colour network: its kernel compares colour patches, whose
+            # matches H_φ, trained on grey images, misreads (0.02-0.04 dB lost on unseen colour
+            # scenes, BENCHMARKS)
+            if refine is not None and (x.shape[1] == 1 or refine.colour_channels is not None):
                 p = refined_pilot(op, x, pilot_image, s, self.tensors, refine, sizes)
             beta = self.tensors["net_mean_mix"]
             mean = beta * p + (0.0 if mean is None else (1 - beta) * mean)

@@ -87,14 +87,34 @@ class Refine(BaseModel):
     """Shape of the denoiser's non-local refinement ``H_φ`` (``kdeq.refine``): ``depth`` 3×3 convolutions
     of ``channels`` features on the 2×2-unshuffled maps ``((ν − p)/σ, (y − p)/σ, log(1 + Σu/c))`` and a
     ``σ`` map (13 channels in, 4 out: one weight per pixel), and the power ``κ`` (``sharpness``) that
-    turns the guided kernel's weights into non-local means' at the bandwidth ``h/√κ``. Its tensors:
-    ``net_refine_<i>_weight`` ``(out, in, 3, 3)`` and ``net_refine_<i>_bias`` ``(out,)``."""
+    turns the guided kernel's weights into non-local means' at the bandwidth ``h/√κ``. ``aggregate``
+    is how ``ν`` gathers the matches (``GuidedOperator.nonlocal_mean``): each pixel's own (``pixel``,
+    the default, left out of the written config) or each covering patch's group (``patch``). Its
+    tensors: ``net_refine_<i>_weight`` ``(out, in, 3, 3)`` and ``net_refine_<i>_bias`` ``(out,)``.
+    ``colour_channels`` adds ``H_φ^c``, which refines a colour image's pilot (without it a colour
+    pilot is left as it is): the same maps in the opponent basis, three channels each (29 channels
+    in, 12 out: a weight per opponent channel and pixel), ``colour_channels`` features, ``depth``
+    layers; tensors ``net_refine_colour_<i>_*``. ``None``, the default, is left out of the written
+    config."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     depth: int = Field(4, ge=2, le=16)
     channels: int = Field(16, ge=4, le=128)
     sharpness: int = Field(3, ge=1, le=8)
+    aggregate: Literal["pixel", "patch"] = "pixel"
+    colour_channels: int | None = Field(None, ge=4, le=128)
+
+    @model_serializer(mode="wrap")
+    def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # the pixel-wise, grey-only refinement is written as before: version 7's config stays
+        # byte-identical
+        data = handler(self)
+        if self.aggregate == "pixel":
+            data.pop("aggregate", None)
+        if self.colour_channels is None:
+            data.pop("colour_channels", None)
+        return data
 
 
 class GuideNet(BaseModel):
@@ -163,6 +183,8 @@ class GuideNet(BaseModel):
             out["net_colour_skip"] = (1,)
         if self.refine is not None:
             out |= _conv_shapes(REFINE, self.refine.depth, 13, self.refine.channels, 4)
+            if self.refine.colour_channels is not None:
+                out |= _conv_shapes(REFINE_COLOUR, self.refine.depth, 29, self.refine.colour_channels, 12)
         return out
 
     def last_layers(self) -> set[str]:
@@ -172,6 +194,8 @@ class GuideNet(BaseModel):
             last.add(f"net_colour_{self.depth - 1}_weight")
         if self.refine is not None:
             last.add(f"{REFINE}_{self.refine.depth - 1}_weight")
+            if self.refine.colour_channels is not None:
+                last.add(f"{REFINE_COLOUR}_{self.refine.depth - 1}_weight")
         return last
 
     def kglm_start(self, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -206,8 +230,9 @@ class GuideNet(BaseModel):
         return out
 
 
-#: the prefix of the refinement's tensors (``Refine``)
+#: the prefixes of the refinement's tensors (``Refine``): ``H_φ``'s, and ``H_φ^c``'s for colour
 REFINE = "net_refine"
+REFINE_COLOUR = "net_refine_colour"
 
 
 def _conv_shapes(prefix: str, depth: int, cin: int, features: int, cout: int) -> dict[str, tuple[int, ...]]:

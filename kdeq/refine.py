@@ -8,17 +8,22 @@ patches at every offset ``o`` of the window. Freed of the taper and raised to an
 
 averages the noisy image over every patch of the window that repeats the pixel's own: it keeps a
 periodic texture (Barbara's cloth) that the pilot's small CNN smooths away, and is noisier than the
-pilot everywhere else. A second small CNN ``H_φ`` (``kdeq.guidenet.Refine``) decides per pixel how
-far to trust it, from what the two disagree on, measured in noise units, and from how many matches
-the pixel has:
+pilot everywhere else. With ``Refine.aggregate = "patch"`` each patch's group of matches estimates
+every pixel of the patch, and a pixel averages the estimates of the ``(2p+1)²`` patches that cover
+it (block matching's aggregation): more estimates per pixel, less noise (on Barbara at σ = 25, ν
+scores 29.51 dB against the pixel-wise 29.07). A second small CNN ``H_φ`` (``kdeq.guidenet.Refine``)
+decides per pixel how far to trust it, from what the two disagree on, measured in noise units, and
+from how many matches the pixel has:
 
     p' = p + a ⊙ (ν − p),      a = H_φ((ν − p)/σ, (y − p)/σ, log(1 + Σu/c), σ).
 
 For grey images: a colour image's kernel compares colour patches, whose matches ``H_φ``, trained
-on grey images, misreads (``kdeq.denoise`` leaves colour pilots as they are). ``p'`` takes the
-pilot's place in the denoiser's mean, ``m = β·p' + (1 − β)·D⁻¹K y``; the kernel, its guide ``p`` and
-the equilibrium are unchanged (a prior mean may be any function of ``y``: DESIGN §2.6). At the start
-``H_φ``'s last layer is zero, so ``p' = p``: the model is the one it was refined from.
+on grey images, misreads. ``Refine.colour_channels`` adds ``H_φ^c`` for them, trained on colour
+images, which weighs each opponent channel of ``ν − p`` (without it ``kdeq.denoise`` leaves colour
+pilots as they are). ``p'`` takes the pilot's place in the denoiser's mean,
+``m = β·p' + (1 − β)·D⁻¹K y``; the kernel, its guide ``p`` and the equilibrium are unchanged (a prior
+mean may be any function of ``y``: DESIGN §2.6). At the start the networks' last layers are zero, so
+``p' = p``: the model is the one it was refined from.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from kdeq.adaptive import GuidedOperator, Sizes
-from kdeq.guidenet import REFINE, Refine, conv_stack, unshuffle
+from kdeq.guidenet import REFINE, REFINE_COLOUR, Refine, conv_stack, opponent, unshuffle
 
 
 def refined_pilot(
@@ -38,12 +43,16 @@ def refined_pilot(
     refine: Refine,
     sizes: Sizes | None = None,
 ) -> torch.Tensor:
-    """``p'`` ``(B, 1, H, W)`` for grey images ``y`` and their pilot ``p`` ``(B, 1, H, W)`` at noise
-    levels ``σ`` ``(B,)`` in [0, 1] units, ``op`` the guided kernel of ``p``; ``sizes`` each image's
-    ``(h, w)`` in a padded batch (``H_φ`` then runs on each image alone, as it would unbatched)."""
-    if y.shape[1] != 1:
-        raise ValueError(f"the non-local refinement is for grey images, got {y.shape[1]} channels")
-    nu, spread = op.nonlocal_mean(y, refine.sharpness)
+    """``p'`` ``(B, c, H, W)`` for images ``y`` and their pilot ``p`` ``(B, c, H, W)`` at noise levels ``σ``
+    ``(B,)`` in [0, 1] units, ``op`` the guided kernel of ``p``: grey (``c = 1``, ``H_φ``) or, with
+    ``refine.colour_channels``, colour (``c = 3``, ``H_φ^c``); ``sizes`` each image's ``(h, w)`` in a
+    padded batch (the network then runs on each image alone, as it would unbatched)."""
+    if y.shape[1] != 1 and not (y.shape[1] == 3 and refine.colour_channels is not None):
+        raise ValueError(
+            f"the non-local refinement is for grey images, or colour ones with a colour network; got "
+            f"{y.shape[1]} channels"
+        )
+    nu, spread = op.nonlocal_mean(y, refine.sharpness, patches=refine.aggregate == "patch")
     if sizes is None:
         return _refined(y, p, nu, spread, sigma, tensors, refine)
     out = p.clone()
@@ -63,10 +72,19 @@ def _refined(
     refine: Refine,
 ) -> torch.Tensor:
     """``p + a ⊙ (ν − p)`` for one size of images (shapes as in ``refined_pilot``; ``spread``
-    ``log(1 + Σu/c)`` ``(B, 1, H, W)``)."""
+    ``log(1 + Σu/c)`` ``(B, 1, H, W)``); for colour ``p + Qᵀ(a ⊙ Q(ν − p))``, ``Q`` the opponent basis."""
     s = sigma.to(y.dtype).reshape(-1, 1, 1, 1)
-    gap = nu - p
-    h = unshuffle(torch.cat([gap / s, (y - p) / s, spread], dim=1))
+    gap, noisy = nu - p, y - p
+    if y.shape[1] == 3:
+        q = opponent(3, y.dtype).to(y.device)
+        gap, noisy = (torch.einsum("dc,bchw->bdhw", q, v) for v in (gap, noisy))
+    h = unshuffle(torch.cat([gap / s, noisy / s, spread], dim=1))
     h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
-    a = conv_stack(h, tensors, REFINE, refine.channels, refine.depth, tuple(y.shape[-2:]))
-    return p + a * gap
+    prefix, features = (
+        (REFINE, refine.channels) if y.shape[1] == 1 else (REFINE_COLOUR, refine.colour_channels)
+    )
+    assert features is not None, "a colour refinement needs its colour network"
+    a = conv_stack(h, tensors, prefix, features, refine.depth, tuple(y.shape[-2:]))
+    if y.shape[1] == 1:
+        return p + a * gap
+    return p + torch.einsum("dc,bdhw->bchw", q, a * gap)
