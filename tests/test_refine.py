@@ -320,7 +320,13 @@ def test_the_option_is_written_only_when_set_and_only_for_the_denoisers_sigma_ne
 def test_train_only_moves_the_named_tensors_alone_and_the_pilot_phase_leaves_the_refinement() -> None:
     spec = grown_spec(GuideNet(depth=2, channels=4, refine=Refine(depth=2, channels=4)))
     start = start_tensors(spec, "kglm", 0)
-    model = TrainableModel(spec, start, torch.device("cpu"), train_only=(REFINE,))
+    # at a kGLM start β = 0: the refinement alone would never reach the output
+    with pytest.raises(ValueError, match="net_mean_mix"):
+        TrainableModel(spec, start, torch.device("cpu"), train_only=(REFINE,))
+    assert float(start["net_mean_mix"]) == 0
+    model = TrainableModel(
+        spec, {**start, "net_mean_mix": torch.full((1,), 0.5)}, torch.device("cpu"), train_only=(REFINE,)
+    )
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained == {f"raw.{n}" for n in start if n.startswith(REFINE)}
     whole = TrainableModel(spec, start, torch.device("cpu"))

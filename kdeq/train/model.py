@@ -152,6 +152,13 @@ class TrainableModel(nn.Module):
             frozen_names |= {k for k in raw if not k.startswith(train_only)}
             if frozen_names >= set(raw):
                 raise ValueError(f"train_only {list(train_only)} names none of the tensors {sorted(raw)}")
+            # p' enters the mean as β·p': with β at 0 and kept there, a refinement gets no gradient
+            refining = any(k.startswith(REFINE) and k not in frozen_names for k in raw)
+            if refining and "net_mean_mix" in frozen_names and float(raw["net_mean_mix"].abs().max()) == 0:
+                raise ValueError(
+                    "the refinement reaches the output through β (net_mean_mix), which is 0 at this start "
+                    "and would stay 0: train net_mean_mix with it"
+                )
         self.raw = nn.ParameterDict(
             {
                 k: nn.Parameter(v.to(device, torch.float32).clone(), requires_grad=k not in frozen_names)
