@@ -525,12 +525,12 @@ class GuidedOperator:
 
         with torch.no_grad():
             self._each_match(power, add)
-            mass, centre = total[here][:, :1], best[here]
+            mass, centre = total_here[:, :1], best_here
             centre = torch.where(centre > 0, centre, 1.0)
-            spread = torch.log1p(mass / centre)
+            spread, norm = torch.log1p(mass / centre), mass + centre
             if not patches:
-                return (total[here][:, 1:] + centre * v) / (mass + centre), spread
-            return self._patch_mean(v, both, centre, mass, inside, power), spread
+                return (total_here[:, 1:] + centre * v) / norm, spread
+            return self._patch_mean(v, both, centre, norm, inside, power), spread
 
     def _each_match(self, power: int, step: Callable[[torch.Tensor, Offsets], None], chunk: int = 1) -> None:
         """``step(u, offsets)`` for runs of at most ``chunk`` offsets ``o = (a, b) ≠ 0`` of the half set
@@ -564,18 +564,18 @@ class GuidedOperator:
         v: torch.Tensor,
         both: torch.Tensor,
         centre: torch.Tensor,
-        mass: torch.Tensor,
+        norm: torch.Tensor,
         inside: torch.Tensor,
         power: int,
     ) -> torch.Tensor:
-        """``nonlocal_mean``'s patch-aggregated ``ν`` ``(B, c, H, W)`` from ``c``, ``Σ_o u_o`` and
+        """``nonlocal_mean``'s patch-aggregated ``ν`` ``(B, c, H, W)`` from ``c``, ``Z`` and
         ``1[x ∈ image]`` ``(B, 1, H, W)`` and ``[1, v]`` padded by the window's radius ``R``."""
         spatial, p = self._args[1], self._args[2]
         r, n = spatial.shape[0] // 2, 2 * p + 1
         height, width = v.shape[-2:]
         here = (..., slice(r, r + height), slice(r, r + width))
         # Z^{-1/2} at patch centres inside the image, 0 elsewhere: a group is only an image's patch
-        scale = F.pad((centre + mass).rsqrt() * inside, (r, r, r, r))
+        scale = F.pad(norm.rsqrt() * inside, (r, r, r, r))
         total = torch.zeros_like(both)
         # a few offsets' maps at a time, together within about a core's cache: fewer, larger
         # operations where the maps are small, one map at a time where one fills it (the pass is
@@ -593,7 +593,7 @@ class GuidedOperator:
 
         total_here, both_here, scale_here = total[here], both[here], scale[here]
         # c/Z, not c·s²: s² overflows where Z is subnormal (u_o^κ of weak matches)
-        torch.div(centre, centre + mass, out=interior(1)).mul_(inside)
+        torch.div(centre, norm, out=interior(1)).mul_(inside)
         total_here.addcmul_(box_sums(1), both_here)
 
         # each group's weights summed over the patches covering a pixel: a box sum of s_o over centres,

@@ -13,8 +13,9 @@ with prior ``N(m, K/s²·…)``. Two kernels:
   the pre-smoothed image), computed per image, symmetrically normalised, with
   the kernel's own local average ``D⁻¹K y`` as the mean (Appendix H). With a
   guide network (``kdeq.guidenet``) the guide is its pilot ``p`` and the mean
-  ``(1 − β)·D⁻¹K y + β·p``; with a refinement (``kdeq.refine``) a grey image's pilot is
-  first mixed per pixel with the non-local means of the kernel's own patch distances.
+  ``(1 − β)·D⁻¹K y + β·p``; with a refinement (``kdeq.refine``) a grey image's pilot, and a colour
+  one's with the refinement's colour network, is first mixed per pixel with the non-local means of
+  the kernel's own patch distances.
 
 ``σ`` is given per call (0–255 scale) or estimated per image (``kdeq.noise``).
 """
@@ -32,7 +33,7 @@ from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
 from kdeq.guidenet import opponent, pilot
 from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
-from kdeq.refine import refined_pilot
+from kdeq.refine import refined_pilot, refines
 
 
 class Denoiser(Predictor):
@@ -253,7 +254,7 @@ class Denoiser(Predictor):
             # a colour image only with a colour network: its kernel compares colour patches, whose
             # matches H_φ, trained on grey images, misreads (0.02-0.04 dB lost on unseen colour
             # scenes, BENCHMARKS)
-            if refine is not None and (x.shape[1] == 1 or refine.colour_channels is not None):
+            if refine is not None and refines(refine, x.shape[1]):
                 p = refined_pilot(op, x, pilot_image, s, self.tensors, refine, sizes)
             beta = self.tensors["net_mean_mix"]
             mean = beta * p + (0.0 if mean is None else (1 - beta) * mean)

@@ -34,6 +34,12 @@ from kdeq.adaptive import GuidedOperator, Sizes
 from kdeq.guidenet import REFINE, REFINE_COLOUR, Refine, conv_stack, opponent, unshuffle
 
 
+def refines(refine: Refine, channels: int) -> bool:
+    """Whether ``refine`` refines the pilot of a ``channels``-channel image: a grey one always, a colour
+    one with its colour network ``H_φ^c``."""
+    return channels == 1 or (channels == 3 and refine.colour_channels is not None)
+
+
 def refined_pilot(
     op: GuidedOperator,
     y: torch.Tensor,
@@ -47,7 +53,7 @@ def refined_pilot(
     ``(B,)`` in [0, 1] units, ``op`` the guided kernel of ``p``: grey (``c = 1``, ``H_φ``) or, with
     ``refine.colour_channels``, colour (``c = 3``, ``H_φ^c``); ``sizes`` each image's ``(h, w)`` in a
     padded batch (the network then runs on each image alone, as it would unbatched)."""
-    if y.shape[1] != 1 and not (y.shape[1] == 3 and refine.colour_channels is not None):
+    if not refines(refine, y.shape[1]):
         raise ValueError(
             f"the non-local refinement is for grey images, or colour ones with a colour network; got "
             f"{y.shape[1]} channels"
