@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from kdeq import SOLVERS, Kernel, SolverConfig, solve
+from kdeq.adaptive import GuidedOperator
+from kdeq.checkpoint import load_checkpoint
 from kdeq.conv import conv
+from kdeq.denoise import Denoiser
+from kdeq.guidenet import REFINE_COLOUR, Refine
 from kdeq.precision import ieee_float32
 from kdeq.predictor import SolverOverride
 from kdeq.repository import default_models_dir, find_model, load_predictor
@@ -22,6 +26,7 @@ from kdeq.solvers import SPLIT_ONLY, SplitMap
 from kdeq.transforms import dct2, idct2
 from tests.helpers import predict_arguments
 from tests.service_helpers import encode, metric, noisy, run_server, smooth_image, to_uint8
+from tests.test_refine import with_refine
 
 pytestmark = [
     pytest.mark.cuda,
@@ -84,6 +89,36 @@ def test_every_shipped_model_agrees_with_the_cpu(folder: Path) -> None:
         sizes = [(48, 40), (33, 48)]
         args, kwargs = _batch(cpu.task, 1, (48, 48), 2, seed=7)
         _parity(cpu, gpu, args, kwargs, sizes=sizes)
+
+
+def test_the_patch_refinement_and_its_colour_network_agree_with_the_cpu() -> None:
+    """``Refine(aggregate="patch", colour_channels=…)`` on version 7 (not a shipped model: docs/training.md's
+    candidate): the patch mean within float32's rounding of float64, and the refined denoiser, grey and
+    colour, an odd size and a padded batch, as ``test_every_shipped_model_agrees_with_the_cpu``."""
+    gen = torch.Generator().manual_seed(11)
+    checkpoint = load_checkpoint(find_model(default_models_dir(), "denoise-kglm", 7))
+    taps = checkpoint.tensors["spatial"]
+    for channels in (1, 3):
+        guide = torch.rand(2, channels, 40, 52, generator=gen, dtype=torch.float64)
+        v = torch.rand(2, channels, 40, 52, generator=gen, dtype=torch.float64)
+        h2 = torch.tensor([8.0, 16.0], dtype=torch.float64) * channels  # weights of order 1
+        exact = GuidedOperator(guide, taps.double(), 3, h2, True).nonlocal_mean(v, 3, patches=True)[0]
+        op = GuidedOperator(guide.float().cuda(), taps.cuda(), 3, h2.float().cuda(), True)
+        got = op.nonlocal_mean(v.float().cuda(), 3, patches=True)[0].double().cpu()
+        assert float((got - exact).norm() / exact.norm()) < 1e-6
+    refine = Refine(aggregate="patch", colour_channels=8)
+    net = checkpoint.config.architecture.net.model_copy(update={"refine": refine})
+    # a colour network that moves the pilot (its kGLM start would leave it as it is)
+    shapes = {n: shape for n, shape in net.shapes().items() if n.startswith(REFINE_COLOUR)}
+    colour = {n: 0.02 * torch.randn(shape, generator=gen) for n, shape in shapes.items()}
+    refined = with_refine(checkpoint, net.refine, colour)
+    cpu, gpu = Denoiser(refined, "cpu"), Denoiser(refined, "cuda:0")
+    for channels in (1, 3):
+        for shape, count in (((64, 64), 2), ((37, 53), 1)):
+            args, kwargs = _batch("denoise", channels, shape, count, seed=channels)
+            _parity(cpu, gpu, args, kwargs)
+    args, kwargs = _batch("denoise", 1, (48, 48), 2, seed=7)
+    _parity(cpu, gpu, args, kwargs, sizes=[(48, 40), (33, 48)])
 
 
 @pytest.mark.parametrize("padding", ["zeros", "circular", "symmetric", "reflect"])
