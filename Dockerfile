@@ -62,6 +62,17 @@ RUN if [ "${OFFLINE}" = 1 ]; then set -- --no-index --find-links /wheels --no-bu
     && cd / && /opt/kdeq/bin/python -c "import kdeq, service.app, service.healthcheck"
 
 FROM base AS runtime
+# a C compiler: kdeq compiles the guided kernel's CPU loops for the host's CPU on first use (the
+# warm-up's), 1.2-2.3x faster than torch's (kdeq/native.py; docs/BENCHMARKS.md, "the offset loops
+# compiled"); without one it runs torch's. NATIVE=0 leaves it out (a GPU-only image); an offline
+# build installs nothing, so its base must bring one (deploy/test-image.sh's does)
+ARG NATIVE=1
+ARG OFFLINE=0
+RUN if [ "${NATIVE}" = 1 ] && [ "${OFFLINE}" != 1 ] && ! command -v cc >/dev/null 2>&1; then \
+      apt-get update \
+      && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN useradd --system --uid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin kdeq
 COPY --from=build /opt/kdeq /opt/kdeq
 COPY --chown=kdeq:kdeq models/ /models/

@@ -9,7 +9,8 @@ Sections (all by default; each prints a Markdown table):
   512²) and colour (top-left crops of Kodak24), σ = 25 noise seeded per image, σ given to every
   method; kdeq's default denoiser also with σ estimated, and each ``--compare`` model, with the guide
   networks in each ``--network-precision`` (default ``float32``, then ``auto``: the measured choice,
-  ``kdeq.netprecision``). Baselines from
+  ``kdeq.netprecision``) and the guided kernel's loops by each ``--guided-backend`` (default
+  ``auto``: compiled where a C compiler builds them, ``kdeq.native``). Baselines from
   ``bench/baselines.py`` (scikit-image and OpenCV non-local means, PyPI ``bm3d``), run in this
   process on the same inputs.
 - ``linear``: the linear Gaussian model's solve (``kdeq.linear``) ÷ one forward + inverse
@@ -24,6 +25,10 @@ Sections (all by default; each prints a Markdown table):
   shipped conv models at 256² and 512², one image and eight, and the models' solves with the
   backend pinned to ``padded`` (torch's own) against the measured choice, on one Set12-like
   generated image with σ = 25 noise (segment: its binarised shapes).
+- ``loops``: the guided kernel's steps (its weight maps, ``K x`` and both non-local means) by
+  torch's operations and compiled (``kdeq.native``), on a generated grey and colour guide of 256² and
+  512² with σ = 25 noise, with the default denoiser's kernel, on one thread and on torch's default
+  threads: time and the largest relative difference of the two.
 - ``cli``: ``kdeq denoise`` on ``--cli-images`` generated 256² noisy images (σ = 25, given) in one
   call, its wall time ÷ (the count × the default denoiser's in-process solve of the same images,
   measured in this process first), beside one process per image for the first four and a process
@@ -66,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kdeq import netprecision  # noqa: E402
+from kdeq import native, netprecision  # noqa: E402
 from kdeq.checkpoint import load_checkpoint  # noqa: E402
 from kdeq.deq import KGLMDEQ  # noqa: E402
 from kdeq.families import Gaussian  # noqa: E402
@@ -105,12 +110,15 @@ def test_sets(images: int) -> dict[str, list[np.ndarray]]:
     }
 
 
-def denoised(predictor, noisy: np.ndarray, known: bool = True, precision: str = "auto") -> np.ndarray:
+def denoised(
+    predictor, noisy: np.ndarray, known: bool = True, precision: str = "auto", guided: str = "auto"
+) -> np.ndarray:
     """``predictor``'s output for a ``test_sets`` image with noise, ``(H, W)`` or ``(H, W, c)`` in
-    [0, 1] like it; σ given where ``known``, the guide network in ``precision``."""
+    [0, 1] like it; σ given where ``known``, the guide network in ``precision``, the guided kernel's
+    loops by ``guided`` (``kdeq.native``)."""
     x = torch.from_numpy(noisy.astype(np.float32))
     x = x[None, None] if x.dim() == 2 else x.permute(2, 0, 1)[None]
-    with netprecision.choice.force(precision):
+    with netprecision.choice.force(precision), native.choice.force(guided):
         out = predictor.predict(x, sigma=SIGMA if known else None).output[0]
     return (out[0] if out.shape[0] == 1 else out.permute(1, 2, 0)).numpy()
 
@@ -122,18 +130,19 @@ def section_models(args: argparse.Namespace) -> None:
     default = load_predictor(find_model(models, "denoise-kglm"), "cpu")
     stationary = load_predictor(find_model(models, "denoise-stationary-kglm"), "cpu")
 
-    def kdeq_method(predictor, known: bool, precision: str = "auto"):
-        return lambda noisy: denoised(predictor, noisy, known, precision)
+    def kdeq_method(predictor, known: bool, precision: str = "auto", guided: str = "auto"):
+        return lambda noisy: denoised(predictor, noisy, known, precision, guided)
 
     others = [load_predictor(find_reference(models, ref), "cpu") for ref in args.compare]
     methods: list[tuple[str, Callable[[np.ndarray], np.ndarray]]] = []
-    for p in args.network_precision:
-        network = f"network {p}"
-        methods += [
-            (f"kdeq {default.name} (σ given, {network})", kdeq_method(default, True, p)),
-            (f"kdeq {default.name} (σ estimated, {network})", kdeq_method(default, False, p)),
-            *[(f"kdeq {other.name} (σ given, {network})", kdeq_method(other, True, p)) for other in others],
-        ]
+    for g in args.guided_backend:
+        for p in args.network_precision:
+            how = f"network {p}" + ("" if args.guided_backend == ["auto"] else f", loops {g}")
+            methods += [
+                (f"kdeq {default.name} (σ given, {how})", kdeq_method(default, True, p, g)),
+                (f"kdeq {default.name} (σ estimated, {how})", kdeq_method(default, False, p, g)),
+                *[(f"kdeq {o.name} (σ given, {how})", kdeq_method(o, True, p, g)) for o in others],
+            ]
     methods += [
         (f"kdeq {stationary.name} (σ given)", kdeq_method(stationary, True)),
         ("scikit-image non-local means", lambda n: B.nlm_skimage(n, SIGMA)),
@@ -407,6 +416,64 @@ def section_backends(args: argparse.Namespace) -> None:
             )
 
 
+def _loop_steps(
+    guide: torch.Tensor, spatial: torch.Tensor, p: int, h2: torch.Tensor, x: torch.Tensor, repeat: int
+) -> dict[str, tuple[float, torch.Tensor]]:
+    """The guided kernel's steps on ``guide``: best seconds of ``repeat`` and the output. The weight maps
+    first, written again into the buffer a solve keeps (``adaptive.KEPT_BYTES``) as a solve does; then
+    ``K x`` and both non-local means on a copy, with the operator's own maps."""
+    from kdeq.adaptive import GuidedOperator, apply_weights, guided_weights
+
+    seconds = best_time(lambda: guided_weights(guide, spatial, p, h2), repeat)
+    weights = guided_weights(guide, spatial, p, h2).clone()
+    steps = {"weight maps": (seconds, weights)}
+    op = GuidedOperator(guide, spatial, p, h2, True)
+    for name, call in (
+        ("K x", lambda: apply_weights(weights, x)),
+        ("ν pixel-wise", lambda: op.nonlocal_mean(guide, 3)[0]),
+        ("ν by patch", lambda: op.nonlocal_mean(guide, 3, patches=True)[0]),
+    ):
+        steps[name] = (best_time(call, repeat), call())
+    return steps
+
+
+def section_loops(args: argparse.Namespace) -> None:
+    from kdeq.cli import test_image
+
+    default = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cpu")
+    kern = default.config.architecture.kernel
+    spatial, p = kern.spatial.filter(), kern.patch_radius
+    print(
+        f"\n### The guided kernel's loops: ms per call, torch's ÷ compiled (`kdeq.native`), the default "
+        f"denoiser's kernel (R = {kern.spatial.radius}, p = {p}), κ = 3, best of {args.repeat}\n"
+    )
+    print("| guide | threads | step | torch's loops | compiled | ratio | max relative difference |")
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(args.seed)
+    threads = torch.get_num_threads()
+    for channels, size in ((1, 256), (3, 256), (1, 512), (3, 512)):
+        clean = test_image(size).expand(1, channels, size, size)
+        guide = clean + SIGMA / 255 * torch.randn(clean.shape, generator=gen)
+        h2 = kern.h2(channels, torch.tensor([SIGMA / 255]))
+        x = torch.randn(1, 2, size, size, generator=gen)
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            rows: dict[str, dict[str, tuple[float, torch.Tensor]]] = {}
+            for backend in ("loop", "native"):
+                with native.choice.force(backend), torch.inference_mode():
+                    for name, result in _loop_steps(guide, spatial, p, h2, x, args.repeat).items():
+                        rows.setdefault(name, {})[backend] = result
+            for name, result in rows.items():
+                (t_loop, a), (t_native, b) = result["loop"], result["native"]
+                rel = ((a - b).abs().max() / a.abs().max()).item()
+                label = f"{'grey' if channels == 1 else 'colour'} {size}²"
+                print(
+                    f"| {label} | {n} | {name} | {t_loop * 1e3:.2f} | {t_native * 1e3:.2f} | "
+                    f"{t_loop / t_native:.2f} | {rel:.1e} |"
+                )
+    torch.set_num_threads(threads)
+
+
 def mosaic(rows: int, cols: int) -> torch.Tensor:
     """A ``(3, 512·rows, 768·cols)`` colour photo mosaic of Kodak24 (portrait images turned), in order."""
     import baselines as B
@@ -625,6 +692,7 @@ SECTIONS = {
     "memory": section_memory,
     "warmstart": section_warmstart,
     "backends": section_backends,
+    "loops": section_loops,
     "cli": section_cli,
     "tiling": section_tiling,
     "png": section_png,
@@ -651,6 +719,13 @@ def main() -> None:
         help="the guide networks' arithmetic of the models section's kdeq rows (kdeq.netprecision), each",
     )
     parser.add_argument(
+        "--guided-backend",
+        nargs="+",
+        choices=["auto", *native.choice.options],
+        default=["auto"],
+        help="the guided kernel's loops in the models section's kdeq rows (kdeq.native), each",
+    )
+    parser.add_argument(
         "--tiling-tasks",
         nargs="+",
         choices=["denoise", "inpaint", "segment", "denoise-impulse", "denoise-poisson", "super-resolve"],
@@ -668,6 +743,7 @@ def main() -> None:
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "cpus": torch.get_num_threads(),
                 "torch": torch.__version__,
+                "guided_loops_compiled": native.summary(),
                 "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                 "seed": args.seed,
                 "command": " ".join(sys.argv),

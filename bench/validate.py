@@ -5,10 +5,10 @@
 
 Each checkpoint gets what ``kdeq train`` records at epoch 0 when warm-started from it with the same
 ``--val``, ``--channels``, ``--val-limit``, ``--val-crop`` and ``--seed`` (``kdeq.train.loop.evaluate``
-on the same fixed examples, networks in float32 and the training convolution backend), so that a
-model can be chosen on a split other than the one it trained on: e.g. CBSD432's scenes that are not
-in Train400, in colour and in luminance (docs/training.md). Prints a Markdown table: the task's
-score overall and per level, mean solver iterations and the converged fraction.
+on the same fixed examples, networks in float32, the training convolution backend and torch's guided
+loops), so that a model can be chosen on a split other than the one it trained on: e.g. CBSD432's
+scenes that are not in Train400, in colour and in luminance (docs/training.md). Prints a Markdown
+table: the task's score overall and per level, mean solver iterations and the converged fraction.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kdeq import backends, netprecision
+from kdeq import backends, native, netprecision
 from kdeq.train.config import TrainConfig
 from kdeq.train.loop import TASKS, TRAINING_BACKEND, evaluate, validation_examples
 from kdeq.train.model import TrainableModel, start_tensors
@@ -55,7 +55,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     score = f"val_{TASKS[args.task].score_name}"
-    with backends.reproducible(TRAINING_BACKEND), netprecision.choice.reproducible("float32"):
+    with (
+        backends.reproducible(TRAINING_BACKEND),
+        netprecision.choice.reproducible("float32"),
+        native.choice.reproducible("loop"),
+    ):
         rows = {c: scores(c, args) for c in args.checkpoints}
     levels = sorted(
         {k for r in rows.values() for k in r if k.startswith(f"{score}@")},

@@ -32,12 +32,12 @@ export CONTAINERS_CONF="$work/containers.conf" CONTAINERS_STORAGE_CONF="$work/st
 step() { printf '\n== %s\n' "$*"; }
 fail() { echo "FAILED: $*"; exit 1; }
 
-if ! podman image exists localhost/kdeq-base:bookworm; then
-  step "bootstrapping a Debian bookworm base image (python3, venv, pip)"
+if ! podman image exists localhost/kdeq-base:bookworm-cc; then
+  step "bootstrapping a Debian bookworm base image (python3, venv, pip, a C compiler)"
   rm -rf "$work/rootfs"
-  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates,gcc,libc6-dev \
     bookworm "$work/rootfs" >"$work/debootstrap.log" 2>&1
-  tar -C "$work/rootfs" -c . | podman import - localhost/kdeq-base:bookworm >/dev/null
+  tar -C "$work/rootfs" -c . | podman import - localhost/kdeq-base:bookworm-cc >/dev/null
   rm -rf "$work/rootfs"
 fi
 
@@ -51,7 +51,7 @@ ls wheelhouse/*.whl | wc -l | xargs echo "wheels:"
 step "podman build (host network, chroot isolation, offline)"
 start=$(date +%s)
 podman build --format docker --network host --isolation chroot --build-arg OFFLINE=1 \
-  --build-arg BASE_IMAGE=localhost/kdeq-base:bookworm -t localhost/kdeq:test . >"$work/build.log" 2>&1 \
+  --build-arg BASE_IMAGE=localhost/kdeq-base:bookworm-cc -t localhost/kdeq:test . >"$work/build.log" 2>&1 \
   || { tail -40 "$work/build.log"; exit 1; }
 echo "built in $(( $(date +%s) - start )) s; image $(podman image inspect localhost/kdeq:test --format '{{.Size}}' | numfmt --to=iec)"
 
@@ -115,6 +115,11 @@ alloc=$(podman exec kdeq-test sh -c 'echo "$PYTORCH_ALLOC_CONF"')
 echo "torch CUDA: $cuda; PYTORCH_ALLOC_CONF: $alloc"
 [ "$cuda" = None ] || fail "a CUDA torch on a base without CUDA"
 [ "$alloc" = expandable_segments:True ] || fail "the allocator setting is missing"
+# the warm-up solved with the default denoiser, so the guided kernel's loops were compiled, as the
+# image's user, into a cache it can write
+loops=$(podman exec kdeq-test /opt/kdeq/bin/python -c 'from kdeq import native; print(native.summary())')
+echo "guided loops: $loops"
+case "$loops" in "not built"*) fail "the guided kernel's loops were not compiled in the container" ;; esac
 families=$(curl -sS "http://127.0.0.1:$port/metrics" | grep -c '^# TYPE kdeq_')
 echo "metrics families: $families"
 page=$(curl -sS -o /dev/null -w '%{http_code} %{content_type}' "http://127.0.0.1:$port/")
@@ -133,7 +138,7 @@ podman rm -f kdeq-test >/dev/null
 step "a base whose CUDA the wheel lacks: the build must stop at the CUDA check"
 # the test base plus the CUDA_VERSION an nvidia/cuda:13.0.2 image sets; the wheelhouse's torch is CPU
 mkdir -p "$work/fake-cuda"
-printf 'FROM localhost/kdeq-base:bookworm\nENV CUDA_VERSION=13.0.2\n' >"$work/fake-cuda/Containerfile"
+printf 'FROM localhost/kdeq-base:bookworm-cc\nENV CUDA_VERSION=13.0.2\n' >"$work/fake-cuda/Containerfile"
 podman build --format docker --isolation chroot -t localhost/kdeq-base:fake-cuda "$work/fake-cuda" >/dev/null
 if podman build --format docker --network host --isolation chroot --build-arg OFFLINE=1 --target build \
      --build-arg BASE_IMAGE=localhost/kdeq-base:fake-cuda . >"$work/build-mismatch.log" 2>&1; then

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from kdeq import native
 from kdeq.filters import mirror_pad
 from kdeq.kernels import Kernel
 
@@ -120,7 +121,8 @@ def guided_weights(
     The patch distance is a box sum of per-pixel squared differences. Offsets
     are processed a few at a time. Without autograd every step runs in place in
     a scratch buffer or in the output: fresh temporaries of this size cost
-    page faults and memory traffic, not arithmetic.
+    page faults and memory traffic, not arithmetic; on the CPU the compiled
+    loop of ``kdeq.native`` makes them, where it builds.
     """
     bsz, c, height, width = guide.shape
     r, p = spatial.shape[0] // 2, patch_radius
@@ -135,6 +137,11 @@ def guided_weights(
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (guide, spatial, h2)))
     shape = (bsz, len(chosen), height, width)
     out = _kept.take(shape, guide) if inplace else guide.new_empty(shape)
+    if native.enabled(guide, spatial, h2):
+        native.weights(padded, chosen, taps, inv.reshape(-1), _CUTOFF, out)
+        if sizes is not None:
+            _zero_outside(out, chosen, sizes)
+        return out
     n = 2 * p + 1
     if inplace:
         sq = guide.new_empty(bsz, _CHUNK, hp, wp)
@@ -274,10 +281,16 @@ def apply_weights(weights: torch.Tensor, x: torch.Tensor, offsets: Offsets | Non
 
     Each stored ``w_o(x)`` serves both ``k(x, x+o)`` and ``k(x+o, x)``, so ``K`` is symmetric.
     ``weights`` ``(B, O, H, W)`` belong to ``offsets`` (default the whole half set); over a
-    partition of the half set the products add up to ``K x``.
+    partition of the half set the products add up to ``K x``. On the CPU, outside autograd, the
+    compiled loop of ``kdeq.native`` computes it, which relies on ``w_o(x) = 0`` wherever ``x + o`` is
+    outside the image (as ``guided_weights`` makes them).
     """
     height, width = x.shape[-2:]
     chosen = half_offsets(_radius(weights)) if offsets is None else offsets
+    if native.enabled(weights, x):
+        out = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        native.pairs(weights, range(len(chosen)), chosen, [1.0] * len(chosen), 1, x, out)
+        return out
     r = max(max(abs(a), abs(b)) for a, b in chosen)
     xp = F.pad(x, (r, r, r, r))
     if _gathers(x):
@@ -498,19 +511,37 @@ class GuidedOperator:
         over patch centres ``z`` inside the image. Returns ``ν`` ``(B, c, H, W)`` and
         ``log(1 + Σ_o u_o / c)`` ``(B, 1, H, W)``, at most ``log (2R+1)²`` (``c`` is the sum's largest
         term). Not differentiated."""
-        spatial = self._args[1]
-        r = spatial.shape[0] // 2
         height, width = v.shape[-2:]
-        # [1, v], its mass and matches, and c, on the image padded by R: u_o(x) is a match of x at +o
-        # and of x + o at −o, so each offset's map adds to both, as K's weights do (apply_weights).
-        # The 1 is 0 on a padded batch's padding: a patch's pixels may lie there, its centre not
+        # [1, v]: the 1 is 0 on a padded batch's padding: a patch's pixels may lie there, its centre not
         inside = torch.ones_like(v[:, :1])
         if self._sizes is not None:
             inside = _inside((height, width), [(0, 0)], v.device, self._sizes).to(v.dtype)
-        both = F.pad(torch.cat([inside, v], dim=1), (r, r, r, r))
-        # the patch mean needs Z alone from this pass: the mass without the matches
-        summed = both[:, :1] if patches else both
-        total, best = torch.zeros_like(summed), torch.zeros_like(both[:, :1])
+        both = torch.cat([inside, v], dim=1)
+        with torch.no_grad():
+            # the patch mean needs Z alone from this pass: the mass without the matches
+            total, centre = self._match_sums(both[:, :1] if patches else both, power)
+            mass = total[:, :1]
+            centre = torch.where(centre > 0, centre, 1.0)
+            spread, norm = torch.log1p(mass / centre), mass + centre
+            if not patches:
+                return (total[:, 1:] + centre * v) / norm, spread
+            return self._patch_mean(v, both, centre, norm, inside, power), spread
+
+    def _match_sums(self, summed: torch.Tensor, power: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Σ_o u_o ⊙ S_o m + S_{−o}(u_o ⊙ m)`` over the offsets ``o ≠ 0`` of the half set, for ``m`` =
+        ``summed`` ``(B, C, H, W)``, and ``max_o`` of ``u_o`` and ``S_{−o} u_o`` ``(B, 1, H, W)``: ``u_o(x)``
+        is a match of ``x`` at ``+o`` and of ``x + o`` at ``−o``, so each offset's map adds to both, as
+        ``K``'s weights do (``apply_weights``)."""
+        best = torch.zeros_like(summed[:, :1], memory_format=torch.contiguous_format)
+        if native.enabled(summed, self._args[0]):
+            total = torch.zeros_like(summed, memory_format=torch.contiguous_format)
+            for weights, index, offsets, inverse in self._matches():
+                native.pairs(weights, index, offsets, inverse, power, summed, total, best)
+            return total, best
+        r = self._args[1].shape[0] // 2
+        height, width = summed.shape[-2:]
+        summed = F.pad(summed, (r, r, r, r))
+        total, best = torch.zeros_like(summed), F.pad(best, (r, r, r, r))
         here = (..., slice(r, r + height), slice(r, r + width))
         total_here, summed_here, best_here = total[here], summed[here], best[here]
 
@@ -523,41 +554,39 @@ class GuidedOperator:
             best_there = best[there]
             torch.maximum(best_there, u, out=best_there)
 
-        with torch.no_grad():
-            self._each_match(power, add)
-            mass, centre = total_here[:, :1], best_here
-            centre = torch.where(centre > 0, centre, 1.0)
-            spread, norm = torch.log1p(mass / centre), mass + centre
-            if not patches:
-                return (total_here[:, 1:] + centre * v) / norm, spread
-            return self._patch_mean(v, both, centre, norm, inside, power), spread
+        self._each_match(power, add)
+        return total_here, best_here
+
+    def _matches(self) -> Iterator[tuple[torch.Tensor, list[int], Offsets, list[float]]]:
+        """Each part's weight maps ``(B, L, H, W)`` with the indices among them, the offsets and the
+        ``1/|k_s(o)|`` of its offsets ``o ≠ 0`` whose taps are not 0: the centre weighs ``c``, and a
+        zero tap's offset has no weight (``w_o/k_s(o) ≥ 0`` whatever the tap's sign)."""
+        r = self._args[1].shape[0] // 2
+        taps = self._args[1].tolist()
+        for part, weights in self._weight_parts():
+            index = [k for k, (a, b) in enumerate(part) if (a, b) != (0, 0) and taps[r + a][r + b] != 0]
+            offsets = [part[k] for k in index]
+            yield weights, index, offsets, [abs(1 / taps[r + a][r + b]) for a, b in offsets]
 
     def _each_match(self, power: int, step: Callable[[torch.Tensor, Offsets], None], chunk: int = 1) -> None:
-        """``step(u, offsets)`` for runs of at most ``chunk`` offsets ``o = (a, b) ≠ 0`` of the half set
-        whose taps are not 0, with ``u_o = (w_o/k_s(o))^κ`` ``(B, len(offsets), H, W)`` in one buffer: a
-        few maps at a time, in cache for ``step``'s products."""
-        spatial = self._args[1]
-        r = spatial.shape[0] // 2
-        taps = spatial.tolist()
-        for part, weights in self._weight_parts():
+        """``step(u, offsets)`` for runs of at most ``chunk`` consecutive offsets of ``_matches``, with
+        ``u_o = (w_o/k_s(o))^κ`` ``(B, len(offsets), H, W)`` in one buffer: a few maps at a time, in
+        cache for ``step``'s products."""
+        for weights, index, offsets, inverse in self._matches():
             buffer = weights.new_empty(weights.shape[0], chunk, *weights.shape[-2:])
-            # the centre weighs c; a zero tap's offset has no weight
-            kept = [k for k, (a, b) in enumerate(part) if (a, b) != (0, 0) and taps[r + a][r + b] != 0]
-            while kept:
-                run = [kept[0]]
-                while len(run) < chunk and len(run) < len(kept) and kept[len(run)] == run[-1] + 1:
-                    run.append(kept[len(run)])
-                kept = kept[len(run) :]
-                offsets = [part[k] for k in run]
-                # w/k_s ≥ 0 whatever the tap's sign
-                inverse = [abs(1 / taps[r + a][r + b]) for a, b in offsets]
-                u = buffer[:, : len(run)]
-                if len(run) == 1:
-                    torch.mul(weights[:, run[0] : run[0] + 1], inverse[0], out=u)
+            start = 0
+            while start < len(index):
+                end = start + 1
+                while end - start < chunk and end < len(index) and index[end] == index[end - 1] + 1:
+                    end += 1
+                u = buffer[:, : end - start]
+                if end - start == 1:
+                    torch.mul(weights[:, index[start] : index[start] + 1], inverse[start], out=u)
                 else:
-                    scale = weights.new_tensor(inverse).reshape(1, -1, 1, 1)
-                    torch.mul(weights[:, run[0] : run[-1] + 1], scale, out=u)
-                step(_power_(u, power), offsets)
+                    scale = weights.new_tensor(inverse[start:end]).reshape(1, -1, 1, 1)
+                    torch.mul(weights[:, index[start] : index[end - 1] + 1], scale, out=u)
+                step(_power_(u, power), offsets[start:end])
+                start = end
 
     def _patch_mean(
         self,
@@ -568,14 +597,23 @@ class GuidedOperator:
         inside: torch.Tensor,
         power: int,
     ) -> torch.Tensor:
-        """``nonlocal_mean``'s patch-aggregated ``ν`` ``(B, c, H, W)`` from ``c``, ``Z`` and
-        ``1[x ∈ image]`` ``(B, 1, H, W)`` and ``[1, v]`` padded by the window's radius ``R``."""
+        """``nonlocal_mean``'s patch-aggregated ``ν`` ``(B, c, H, W)`` from ``c``, ``Z``,
+        ``1[x ∈ image]`` ``(B, 1, H, W)`` and ``[1, v]`` ``(B, 1 + c, H, W)``."""
         spatial, p = self._args[1], self._args[2]
         r, n = spatial.shape[0] // 2, 2 * p + 1
         height, width = v.shape[-2:]
-        here = (..., slice(r, r + height), slice(r, r + width))
         # Z^{-1/2} at patch centres inside the image, 0 elsewhere: a group is only an image's patch
-        scale = F.pad(norm.rsqrt() * inside, (r, r, r, r))
+        scale = norm.rsqrt() * inside
+        # c/Z, not c·s²: s² overflows where Z is subnormal (u_o^κ of weak matches); its box sum over
+        # the centres, zero beyond the image (no patch is centred there)
+        box = _window_sum(_window_sum(F.pad(centre / norm * inside, (p, p, p, p)), n, -1), n, -2)
+        if native.enabled(both, self._args[0]):
+            total = (box * both).contiguous()
+            for weights, index, offsets, inverse in self._matches():
+                native.patch_pairs(weights, index, offsets, inverse, power, scale, p, both, total)
+            return torch.where(inside > 0, total[:, 1:] / total[:, :1], v)
+        here = (..., slice(r, r + height), slice(r, r + width))
+        both, scale = F.pad(both, (r, r, r, r)), F.pad(scale, (r, r, r, r))
         total = torch.zeros_like(both)
         # a few offsets' maps at a time, together within about a core's cache: fewer, larger
         # operations where the maps are small, one map at a time where one fills it (the pass is
@@ -592,13 +630,11 @@ class GuidedOperator:
             return _window_sum(_window_sum(box_in[:, :k], n, -1, rows[:, :k]), n, -2, boxed[:, :k])
 
         total_here, both_here, scale_here = total[here], both[here], scale[here]
-        # c/Z, not c·s²: s² overflows where Z is subnormal (u_o^κ of weak matches)
-        torch.div(centre, norm, out=interior(1)).mul_(inside)
-        total_here.addcmul_(box_sums(1), both_here)
+        total_here.addcmul_(box, both_here)
 
-        # each group's weights summed over the patches covering a pixel: a box sum of s_o over centres,
-        # the box zero beyond the image (no patch is centred there); one box serves o and −o, since
-        # s_o(z) = s_{−o}(z + o) and a pixel q + d of z + o's patch matches q + d − o of z's
+        # each group's weights summed over the patches covering a pixel: a box sum of s_o over centres;
+        # one box serves o and −o, since s_o(z) = s_{−o}(z + o) and a pixel q + d of z + o's patch
+        # matches q + d − o of z's
         def add(u: torch.Tensor, offsets: Offsets) -> None:
             k = len(offsets)
             inner = torch.mul(u, scale_here, out=interior(k))

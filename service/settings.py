@@ -151,6 +151,14 @@ class Settings(BaseModel):
         "first input of each shape class (the warm-up's included) and keeps `bfloat16` where it is 1.2× "
         "faster (CPUs with bf16 dot products), logging the choice; a name pins that one",
     )
+    guided_backend: Literal["auto", "native", "loop"] = Field(
+        "auto",
+        description="how the guided kernel's offset loops (its weight maps, `K x`, the non-local means) run "
+        "on the CPU (`kdeq.native`): `auto` compiles `kdeq/native.c` at the first solve (the warm-up's) "
+        "with the C compiler `CC` (default `cc`) for this CPU, keeps it in `KDEQ_NATIVE_CACHE` (default "
+        "`~/.cache/kdeq/native`, else a private folder of the temporary directory) and uses it, or "
+        "torch's loops where it does not build, logging which; `native` or `loop` pins one",
+    )
 
     @field_validator("models", "device", "warmup_sizes", mode="before")
     @classmethod

@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Literal
 
-from kdeq import backends, netprecision
+from kdeq import backends, native, netprecision
 from kdeq.tasks import TASKS, Solved
 from kdeq.tiling import solve_requests
 from service.devices import choose_devices, classify, release_memory, select_device, trim_heap
@@ -45,6 +45,7 @@ class Service:
         self.settings = settings
         backends.pin(settings.conv_backend)
         netprecision.choice.pin(settings.network_precision)
+        native.choice.pin(settings.guided_backend)
         choice = choose_devices(settings.device)
         log.log(choice.level, "serving on %s: %s", ",".join(choice.devices), choice.reason)
         self.devices = choice.devices

@@ -4,6 +4,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kdeq import native
+
 # The guide networks run in float32 throughout the suite, as training runs them (a developer's own
 # setting stands): its tests compare pilots and solves to 1e-5 and closer, which bfloat16, where
 # kdeq.netprecision measures it faster, does not meet. tests/test_netprecision.py measures that
@@ -25,6 +27,16 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["loop", "native"])
+def guided_backend(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A test on each implementation of the guided kernel's offset loops on the CPU: torch's
+    operations, and ``kdeq.native``'s compiled C (skipped where no C compiler builds it)."""
+    if request.param == "native" and native.library() is None:
+        pytest.skip(f"kdeq/native.c does not build here: {native.build_error()}")
+    with native.choice.force(request.param):
+        yield request.param
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -99,6 +99,7 @@ def dense_nonlocal(
         (1, 3, 1 << 30, "holes"),
     ],
 )
+@pytest.mark.usefixtures("guided_backend")
 def test_nonlocal_means_match_a_dense_computation_from_explicit_patches(
     channels, power, budget, patches
 ) -> None:
@@ -131,6 +132,7 @@ def test_nonlocal_means_match_a_dense_computation_from_explicit_patches(
         assert (nu - op.nonlocal_mean(v, power)[0]).abs().amax() > 1e-3
 
 
+@pytest.mark.usefixtures("guided_backend")
 def test_weak_matches_leave_the_patch_mean_finite() -> None:
     """``u^κ`` of weak matches is subnormal, and so is ``Z`` where a pixel has only those: the patch
     mean stays finite (``c/Z``, never ``c·(Z^{-1/2})²``, which overflows there) and within ``v``'s range."""
@@ -144,6 +146,7 @@ def test_weak_matches_leave_the_patch_mean_finite() -> None:
 
 
 @pytest.mark.parametrize("patches", [False, True])
+@pytest.mark.usefixtures("guided_backend")
 def test_a_padded_batch_gives_each_image_its_own_nonlocal_means(patches) -> None:
     gen = torch.Generator().manual_seed(5)
     small, large = torch.rand(1, 1, 7, 8, generator=gen), torch.rand(1, 1, 10, 12, generator=gen)
@@ -161,6 +164,7 @@ def test_a_padded_batch_gives_each_image_its_own_nonlocal_means(patches) -> None
 
 
 @pytest.mark.parametrize("patches", [False, True])
+@pytest.mark.usefixtures("guided_backend")
 def test_the_nonlocal_mean_reads_as_far_as_the_denoisers_reach_says(patches) -> None:
     """``ν(q)`` reads the image within ``R`` of ``q`` and the guide within ``p + R`` (pixel-wise) or
     ``2(p + R)`` (by patch), the distances ``Denoiser.reach`` adds: a change one pixel further leaves

@@ -26,13 +26,14 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
             "KDEQ_WARMUP": "false",
             "KDEQ_CONV_BACKEND": "prepadded",
             "KDEQ_NETWORK_PRECISION": "bfloat16",
+            "KDEQ_GUIDED_BACKEND": "loop",
             "PATH": "/bin",
         }
     )
     assert s.models_dir == tmp_path and s.models == ("denoise-kglm", "segment-kglm:1")
     assert s.device == ("cpu",) and s.devices() == ["cpu"]
     assert (s.port, s.max_batch_size, s.batch_wait_seconds, s.warmup) == (9000, 4, 0.01, False)
-    assert (s.conv_backend, s.network_precision) == ("prepadded", "bfloat16")
+    assert (s.conv_backend, s.network_precision, s.guided_backend) == ("prepadded", "bfloat16", "loop")
     assert s.api_key.get_secret_value() == "s3cr3t-key" and "s3cr3t" not in repr(s)
     assert Settings.from_env({"KDEQ_PORT": "9000"}, port=9100).port == 9100
 

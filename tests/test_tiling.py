@@ -140,6 +140,7 @@ def assert_reach(
                     assert torch.equal(equation(*moved), base) == unchanged, (dr, dc)
 
 
+@pytest.mark.usefixtures("guided_backend")
 @pytest.mark.parametrize("name", ["denoise-kglm", "denoise-stationary-kglm"])
 def test_a_pixel_s_equation_reads_nothing_beyond_the_reach(name) -> None:
     """Perturb one pixel at ∞-distance ``ρ + 1`` or more from ``x``: ``x``'s equation is bit for bit

@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from kdeq import backends, netprecision
+from kdeq import backends, native, netprecision
 from kdeq.checkpoint import Provenance, save_checkpoint
 from kdeq.precision import ieee_float32
 from kdeq.predictor import SolverOverride, resolve_device
@@ -312,9 +312,13 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
         )
     try:
         # every rank, and a resumed run, must repeat the same arithmetic: no per-process timing of
-        # the convolution backends, and a validation (which chooses the checkpoint) in float32 on any
-        # machine
-        with backends.reproducible(TRAINING_BACKEND), netprecision.choice.reproducible("float32"):
+        # the convolution backends, a validation (which chooses the checkpoint) in float32 on any
+        # machine, and the guided kernel's loops by torch whether or not a machine compiles its own
+        with (
+            backends.reproducible(TRAINING_BACKEND),
+            netprecision.choice.reproducible("float32"),
+            native.choice.reproducible("loop"),
+        ):
             return _train(cfg, progress, rank, device)
     finally:
         if owned:

@@ -1,0 +1,314 @@
+"""The guided kernel's offset loops as compiled C (``native.c``), for the CPU.
+
+``kdeq.adaptive`` makes the weight maps, applies ``K`` and gathers the non-local matches an offset at a
+time, a few torch operations per offset: each one a pass over a map in memory, so that on a CPU the
+loops are bound by memory traffic and by the operations' count, not by arithmetic (docs/BENCHMARKS.md).
+``native.c`` does each loop in one pass over a block of rows, its intermediate rows in cache.
+
+The file is compiled the first time it is needed, by the C compiler ``CC`` (default ``cc``) for the
+machine it runs on (``-march=native``), and kept in ``KDEQ_NATIVE_CACHE`` (default
+``~/.cache/kdeq/native``), under a name that hashes the source, the flags, the compiler's version and
+the CPU's model and features, so that another machine, compiler or source builds its own. Without a
+compiler, or if the build fails, kdeq uses its torch loops; the build and the choice are logged
+(logger ``kdeq.native``). ``KDEQ_GUIDED_BACKEND`` picks the implementation: ``native``, ``loop``
+(torch's operations) or ``auto`` (``native`` where it builds).
+
+A call splits the rows of its images into bands, one per thread of torch's own OpenMP pool
+(``torch.get_num_threads()``): the library is linked to ``libgomp.so.1``, which the loader finds
+already loaded by torch. (Threads of a pool of their own competed with torch's workers, which spin
+for a while after each operation, and lost.) Results do not depend on the split: each pixel is
+summed in one fixed order (see ``native.c``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kdeq import autotune
+
+ENV = "KDEQ_GUIDED_BACKEND"
+CACHE_ENV = "KDEQ_NATIVE_CACHE"
+SOURCE = Path(__file__).with_name("native.c")
+#: compiled without fused multiply-adds, so that a vector lane and the scalar remainder round alike
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11")
+#: rows below which a call runs on one thread (a thread's start costs more than a few rows' work)
+MIN_ROWS_PER_THREAD = 16
+
+log = logging.getLogger("kdeq.native")
+
+#: ``native`` or ``loop``: pinned by ``KDEQ_GUIDED_BACKEND``, ``pin`` or ``force``; ``auto`` is
+#: ``native`` wherever the library builds (the loops are never faster: docs/BENCHMARKS.md)
+choice = autotune.Tuner("guided kernel's implementation", ENV, ("native", "loop"), log)
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failed: str | None = None
+_compiler = ""  # the compiler's first line of --version
+
+
+def _cpu() -> str:
+    """The CPU's model and feature flags (``-march=native`` compiles for them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _cache_dir() -> Path:
+    """``KDEQ_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/kdeq/native`` (``~/.cache`` by default); where that
+    cannot be made or written (a service user without a home), a folder of the temporary directory
+    that only this user may write and that this user owns, since a library found there is loaded."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")) / "kdeq" / "native"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        if os.access(base, os.W_OK):
+            return base
+    except OSError:
+        pass
+    private = Path(tempfile.gettempdir()) / f"kdeq-native-{os.getuid()}"
+    private.mkdir(mode=0o700, exist_ok=True)
+    info = private.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise PermissionError(f"{private} is not this user's own: the compiled loops are not kept there")
+    return private
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, compiler and CPU: from the cache, or compiled into it
+    (written under a temporary name and renamed, so that processes building at once never load a
+    partial file)."""
+    global _compiler
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    _compiler = version.splitlines()[0] if version else compiler
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu()]).encode())
+    cache = _cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / f"guided-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=cache) as work:
+        objects = []
+        for real, suffix, double in (("float", "f", 0), ("double", "d", 1)):
+            obj = Path(work) / f"{suffix}.o"
+            types = [f"-DREAL={real}", f"-DSFX={suffix}", f"-DREAL_IS_DOUBLE={double}"]
+            cmd = [compiler, *FLAGS, "-c", *types, str(SOURCE)]
+            subprocess.run([*cmd, "-o", str(obj)], capture_output=True, text=True, check=True, timeout=120)
+            objects.append(str(obj))
+        partial = Path(work) / "guided.so"
+        subprocess.run(
+            [compiler, "-shared", "-fopenmp", *objects, "-o", str(partial)], capture_output=True, check=True
+        )
+        os.replace(partial, target)
+    log.info("compiled %s with %s %s into %s", SOURCE.name, compiler, " ".join(FLAGS), target)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; ``None`` where they cannot be (the reason logged once)."""
+    global _library, _failed
+    with _lock:
+        if _library is not None or _failed is not None:
+            return _library
+        compiler = shutil.which(os.environ.get("CC", "cc"))
+        try:
+            if compiler is None:
+                raise FileNotFoundError(f"no C compiler ({os.environ.get('CC', 'cc')}) on the PATH")
+            _library = ctypes.CDLL(str(_build(compiler)))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", None) or exc
+            _failed = str(detail).strip()
+            log.warning("the guided kernel's C loops are not available, torch's are used: %s", _failed)
+        return _library
+
+
+def summary() -> str:
+    """One line on the compiled kernels: the library and the compiler that built it, or why not."""
+    lib = library()
+    if lib is None:
+        return f"not built: {_failed}"
+    return f"{Path(lib._name).name}, by {_compiler}"
+
+
+def build_error() -> str | None:
+    """Why the compiled kernels are not available (``None`` when they are or have not been tried)."""
+    return _failed
+
+
+def enabled(*tensors: torch.Tensor) -> bool:
+    """Whether the guided kernel's loops for ``tensors`` run natively: on the CPU, in float32 or
+    float64, with nothing to differentiate, by ``choice`` and where the library builds."""
+    if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) for t in tensors):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if choice.pinned() == "loop":
+        return False
+    return library() is not None
+
+
+def _ints(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int * len(values))(*values)
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+    return ctypes.c_void_p(None if t is None else t.data_ptr())
+
+
+def _rows(fn, height: int, args: tuple) -> None:
+    """``fn(*args, threads)``: its images' rows in bands, one per thread of torch's OpenMP pool."""
+    fn(*args, max(1, min(torch.get_num_threads(), height // MIN_ROWS_PER_THREAD)))
+
+
+def _fn(name: str, dtype: torch.dtype):
+    lib = library()
+    assert lib is not None
+    fn = getattr(lib, f"{name}_{'f' if dtype == torch.float32 else 'd'}")
+    fn.restype = None
+    return fn
+
+
+def _real(dtype: torch.dtype, value: float) -> ctypes._SimpleCData:
+    return (ctypes.c_float if dtype == torch.float32 else ctypes.c_double)(value)
+
+
+def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.contiguous() for t in tensors]
+
+
+def _writable(*tensors: torch.Tensor | None) -> None:
+    """The outputs are written in place through their pointers: each must be contiguous."""
+    if any(t is not None and not t.is_contiguous() for t in tensors):
+        raise ValueError("kdeq.native writes only contiguous outputs")
+
+
+def pairs(
+    weights: torch.Tensor,
+    index: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    scale: Sequence[float],
+    power: int,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    best: torch.Tensor | None = None,
+) -> None:
+    """``out += Σ_j u_j ⊙ S_{o_j} x + Σ_{o_j ≠ 0} S_{−o_j}(u_j ⊙ x)`` in place, ``u_j = (scale_j ·
+    weights[:, index_j])^power``, ``S_o x (y) = x(y + o)`` (0 outside the image); with ``best``
+    ``(B, 1, H, W)``, ``best ← max(best, u_j, S_{−o_j} u_j)`` over ``j``. ``weights`` ``(B, O, H, W)``;
+    ``x``, ``out`` ``(B, C, H, W)`` contiguous, the same dtype."""
+    weights, x = _contiguous(weights, x)
+    _writable(out, best)
+    bsz, channels, height, width = x.shape
+    taps = torch.tensor(list(scale), dtype=x.dtype)
+    args = (
+        _ptr(weights),
+        weights.shape[1],
+        _ints(index),
+        _ints([a for a, _ in offsets]),
+        _ints([b for _, b in offsets]),
+        _ptr(taps),
+        len(index),
+        power,
+        _ptr(x),
+        channels,
+        _ptr(out),
+        _ptr(best),
+        bsz,
+        height,
+        width,
+    )
+    _rows(_fn("kdeq_pairs", x.dtype), height, args)
+
+
+def patch_pairs(
+    weights: torch.Tensor,
+    index: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    scale: Sequence[float],
+    power: int,
+    t: torch.Tensor,
+    patch_radius: int,
+    x: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``out += Σ_j S_j ⊙ S_{o_j} x + S_{−o_j}(S_j ⊙ x)`` in place with the box sums over patch centres
+    ``S_j(q) = Σ_{|d|≤p} s_j(q + d)``, ``s_j(z) = (scale_j · weights[:, index_j](z))^power · t(z)
+    t(z + o_j)`` (0 unless ``z`` and ``z + o_j`` are in the image): the patch-aggregated non-local
+    pass (``GuidedOperator.nonlocal_mean``). ``t`` ``(B, 1, H, W)``; others as in ``pairs``."""
+    weights, t, x = _contiguous(weights, t, x)
+    _writable(out)
+    bsz, channels, height, width = x.shape
+    taps = torch.tensor(list(scale), dtype=x.dtype)
+    args = (
+        _ptr(weights),
+        weights.shape[1],
+        _ints(index),
+        _ints([a for a, _ in offsets]),
+        _ints([b for _, b in offsets]),
+        _ptr(taps),
+        len(index),
+        power,
+        _ptr(t),
+        patch_radius,
+        _ptr(x),
+        channels,
+        _ptr(out),
+        bsz,
+        height,
+        width,
+    )
+    _rows(_fn("kdeq_patch", x.dtype), height, args)
+
+
+def weights(
+    padded: torch.Tensor,
+    offsets: Sequence[tuple[int, int]],
+    taps: torch.Tensor,
+    inv: torch.Tensor,
+    cutoff: float,
+    out: torch.Tensor,
+) -> None:
+    """The guided kernel's weight maps in place: ``out[:, j](x) = k_j·e^{max(inv·D_j(x), cutoff)}``, 0
+    where the exponential is at most ``e^cutoff`` or ``x + o_j`` is outside the image, with the patch
+    distance ``D_j(x) = ‖g(x) − g(x + o_j)‖²`` of ``padded`` ``(B, c, H + 2p, W + 2p)`` (the guide
+    mirrored by ``p``) as a box sum of per-pixel squared differences; ``taps`` ``k`` ``(n,)``, ``inv``
+    ``(B,)``, ``out`` ``(B, n, H, W)`` contiguous. The exponential is ``native.c``'s own, within a
+    unit or two in the last place of the type's."""
+    (padded,) = _contiguous(padded)
+    _writable(out)
+    bsz, channels = padded.shape[:2]
+    height, width = out.shape[-2:]
+    taps, inv = (t.to(padded.dtype).contiguous() for t in (taps, inv))
+    args = (
+        _ptr(padded),
+        channels,
+        bsz,
+        height,
+        width,
+        (padded.shape[-1] - width) // 2,
+        _ints([a for a, _ in offsets]),
+        _ints([b for _, b in offsets]),
+        _ptr(taps),
+        len(offsets),
+        _ptr(inv),
+        _real(padded.dtype, cutoff),
+        _real(padded.dtype, math.exp(cutoff)),
+        _ptr(out),
+    )
+    _rows(_fn("kdeq_distances", padded.dtype), height, args)

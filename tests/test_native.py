@@ -1,0 +1,199 @@
+"""``kdeq.native``: the guided kernel's offset loops compiled, against torch's (``kdeq.adaptive``), and
+its build: cached per source and machine, and a clear fallback where it cannot be built."""
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kdeq import native
+from kdeq.adaptive import GuidedOperator, apply_weights, guided_weights
+from kdeq.kernels import Kernel
+
+F64 = torch.float64
+
+
+@pytest.fixture
+def built() -> None:
+    if native.library() is None:
+        pytest.skip(f"kdeq/native.c does not build here: {native.build_error()}")
+
+
+def both(fn) -> dict[str, object]:
+    """``fn()`` by torch's loops and by the compiled ones."""
+    out = {}
+    for name in ("loop", "native"):
+        with native.choice.force(name), torch.no_grad():
+            out[name] = fn()
+    return out
+
+
+def taps(radius: int, dtype: torch.dtype, holes: bool = False) -> torch.Tensor:
+    spatial = Kernel(profile="matern32", lengthscale=2.0, radius=radius).filter(dtype).clone()
+    if holes:  # zero taps between the offsets, point-symmetric
+        spatial[::2, 1::2] = 0
+    return spatial
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize(
+    ("channels", "shape", "patch", "radius", "sizes", "budget", "holes"),
+    [
+        (1, (2, 9, 11), 1, 3, None, 1 << 30, False),
+        (3, (1, 40, 37), 3, 6, None, 1 << 30, False),
+        (3, (2, 23, 30), 2, 4, [(23, 30), (15, 19)], 1 << 30, False),
+        (1, (2, 21, 18), 0, 2, [(12, 18), (21, 9)], 1, False),
+        (3, (1, 33, 47), 2, 5, None, 1 << 30, True),
+        (1, (1, 6, 5), 2, 6, None, 1 << 30, False),  # a window wider than the image
+    ],
+)
+def test_each_compiled_loop_equals_torchs(
+    channels, shape, patch, radius, sizes, budget, holes, dtype
+) -> None:
+    """The weight maps, ``K x``, ``K̃ x`` and both non-local means (κ = 1 to 5, odd and even), on kept
+    weights and on weights made again a part at a time (a one-byte budget), padded batches, zero taps,
+    a window wider than the image. The sums' order differs, and the exponential is ``native.c``'s
+    own: float64 to 1e-12, float32 to a few units in the last place."""
+    bsz, height, width = shape
+    gen = torch.Generator().manual_seed(7)
+    guide = torch.rand(bsz, channels, height, width, generator=gen, dtype=dtype)
+    x = torch.randn(bsz, 2, height, width, generator=gen, dtype=dtype)
+    v = torch.rand(bsz, channels, height, width, generator=gen, dtype=dtype)
+    h2 = torch.linspace(0.05, 0.6, bsz, dtype=dtype)
+    spatial = taps(radius, dtype, holes)
+
+    def run() -> list[torch.Tensor]:
+        op = GuidedOperator(guide, spatial, patch, h2, True, budget, sizes=sizes)
+        weights = guided_weights(guide, spatial, patch, h2, sizes=sizes)
+        means = [t for k in range(1, 6) for t in op.nonlocal_mean(v, k, patches=k % 2 == 1)]
+        return [weights.clone(), apply_weights(weights, x), op(x), op.degree, *means]
+
+    results = both(run)
+    tol = {"rtol": 1e-12, "atol": 1e-14} if dtype == F64 else {"rtol": 2e-6, "atol": 1e-6}
+    for loop, compiled in zip(results["loop"], results["native"], strict=True):
+        torch.testing.assert_close(compiled, loop, **tol)
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("patches", [False, True])
+def test_results_do_not_depend_on_how_many_threads_share_the_rows(patches) -> None:
+    """Each thread takes a band of rows and writes only those: with 1, 2 or 3 threads the outputs are
+    bit for bit equal (a term that crosses a band's edge, or a pixel's sums in another order, would
+    show)."""
+    gen = torch.Generator().manual_seed(9)
+    guide = torch.rand(2, 3, 70, 41, generator=gen)
+    x = torch.randn(2, 3, 70, 41, generator=gen)
+    spatial = taps(5, torch.float32)
+    h2 = torch.tensor([0.2, 0.5])
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            with native.choice.force("native"), torch.no_grad():
+                op = GuidedOperator(guide, spatial, 2, h2, True)
+                outputs.append((op(x), *op.nonlocal_mean(x, 3, patches)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in outputs[1:]:
+        for a, b in zip(outputs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_autograd_and_other_devices_use_torchs_loops(built) -> None:
+    """The compiled loops have no backward: a guide to differentiate takes torch's path, and its
+    weights carry the gradient."""
+    guide = torch.rand(1, 1, 8, 9, requires_grad=True)
+    spatial, h2 = taps(2, torch.float32), torch.tensor([0.3])
+    assert native.enabled(guide.detach()) and not native.enabled(guide)
+    assert not native.enabled(guide.detach().to(torch.float16))
+    guided_weights(guide, spatial, 1, h2).sum().backward()
+    assert guide.grad is not None and guide.grad.abs().sum() > 0
+
+
+def test_the_environment_variable_pins_the_implementation(built, monkeypatch) -> None:
+    x = torch.rand(1, 1, 4, 4)
+    monkeypatch.setenv(native.ENV, "loop")
+    assert not native.enabled(x)
+    monkeypatch.setenv(native.ENV, "native")
+    assert native.enabled(x)
+    monkeypatch.setenv(native.ENV, "fast")
+    with pytest.raises(ValueError, match="auto or one of"):
+        native.enabled(x)
+
+
+def test_the_service_pins_its_setting(tmp_path) -> None:
+    from service.settings import Settings
+    from service.state import Service
+
+    try:
+        Service(Settings(models_dir=tmp_path, device=("cpu",), guided_backend="loop", warmup=False))
+        assert native.choice.pinned() == "loop" and not native.enabled(torch.rand(1, 1, 4, 4))
+        Service(Settings(models_dir=tmp_path, device=("cpu",), warmup=False))
+        assert native.choice.pinned() is None
+    finally:
+        native.choice.pin("auto")
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path) -> Iterator[None]:
+    """``kdeq.native`` as in a new process, its cache in ``tmp_path``."""
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_failed", None)
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    yield
+
+
+@pytest.mark.usefixtures("fresh")
+def test_without_a_compiler_torchs_loops_serve_and_the_log_says_why(monkeypatch, caplog) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    guide = torch.rand(1, 1, 12, 10)
+    spatial, h2 = taps(3, torch.float32), torch.tensor([0.3])
+    with caplog.at_level(logging.WARNING, logger="kdeq.native"):
+        assert native.library() is None and not native.enabled(guide)
+        op = GuidedOperator(guide, spatial, 1, h2, True)
+    assert "no C compiler (/nonexistent/cc)" in caplog.text and "torch's are used" in caplog.text
+    assert native.build_error() is not None and "no C compiler" in native.build_error()
+    with native.choice.force("loop"):
+        torch.testing.assert_close(
+            op(guide), GuidedOperator(guide, spatial, 1, h2, True)(guide), rtol=0, atol=0
+        )
+
+
+@pytest.mark.usefixtures("fresh")
+def test_the_library_is_built_once_per_source_compiler_and_cpu(monkeypatch, tmp_path) -> None:
+    compiler = shutil.which("cc")
+    if compiler is None:
+        pytest.skip("no C compiler here")
+    first = native._build(compiler)
+    assert first.parent == tmp_path and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert native._build(compiler) == first and first.stat().st_mtime_ns == stamp  # from the cache
+    monkeypatch.setattr(native, "_cpu", lambda: "another machine")
+    other = native._build(compiler)
+    assert other != first and sorted(tmp_path.iterdir()) == sorted([first, other])
+    assert native.library() is not None  # the fresh module loads what it built
+
+
+def test_without_a_writable_cache_the_library_is_kept_in_a_private_temporary_folder(
+    monkeypatch, tmp_path
+) -> None:
+    """A service user without a home: the library goes to a folder of the temporary directory that is
+    this user's alone, and a folder others may write is refused (a library found there is loaded)."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.delenv(native.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # kdeq/native cannot be made under a file
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    folder = native._cache_dir()
+    assert folder == tmp_path / f"kdeq-native-{os.getuid()}"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    folder.chmod(0o777)
+    with pytest.raises(PermissionError, match="not this user's own"):
+        native._cache_dir()
