@@ -648,7 +648,7 @@ def test_models_are_read_loaded_and_unloaded_through_the_client(server, tmp_path
     with run_server(tmp_path, models="denoise-kglm:2", model_control="true") as s, Client(s.url) as c:
         state = c.model("denoise-kglm")
         assert (state.serving, state.version, state.ready) == ("denoise-kglm:2", 2, True)
-        assert state.versions == (1, 2, 3, 4, 5, 6, 7) and state.devices == ("cpu",)
+        assert state.versions == (1, 2, 3, 4, 5, 6, 7, 8) and state.devices == ("cpu",)
         assert c.load_model("denoise-kglm", version=1).serving == "denoise-kglm:1"
         assert c.denoise(image, sigma=20).model == "denoise-kglm:1"
         with pytest.raises(InvalidRequestError) as missing:
@@ -667,8 +667,8 @@ def test_models_are_read_loaded_and_unloaded_through_the_client(server, tmp_path
         gone, code, back, after = asyncio.run(unload_and_back())
         assert gone.serving is None and not gone.ready and code == "no_model"
         # no version: the highest
-        assert back.serving == after.serving == "denoise-kglm:7"
-        assert c.denoise(image, sigma=20).model == "denoise-kglm:7"
+        assert back.serving == after.serving == "denoise-kglm:8"
+        assert c.denoise(image, sigma=20).model == "denoise-kglm:8"
 
 
 def test_uncertainty_comes_back_as_an_array_sync_async_and_from_kdeq_remote(server, client, tmp_path) -> None:

@@ -96,16 +96,16 @@ FAULTS = [
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_broken_model_file_is_refused_by_name_and_the_rest_serve(tmp_path, caplog, fault: str) -> None:
     root = copy_defaults(tmp_path)
-    broken = root / "denoise-kglm" / "7"
+    broken = root / "denoise-kglm" / "8"
     reason = corrupt(broken, fault)
     with caplog.at_level(logging.ERROR, logger="kdeq.service"), client(root) as c:
         assert c.app.state.service.wait_loaded(120)
         models = {m["id"]: m for m in c.get("/models").json()}
-        error = models["denoise-kglm:7"]["error"]
-        assert not models["denoise-kglm:7"]["ready"] and reason in error.lower(), error
+        error = models["denoise-kglm:8"]["error"]
+        assert not models["denoise-kglm:8"]["ready"] and reason in error.lower(), error
         assert str(broken) in error
-        assert all(m["ready"] for k, m in models.items() if k != "denoise-kglm:7")
-        assert metric(c.get("/metrics").text, "kdeq_model_ready", model="denoise-kglm:7") == 0
+        assert all(m["ready"] for k, m in models.items() if k != "denoise-kglm:8")
+        assert metric(c.get("/metrics").text, "kdeq_model_ready", model="denoise-kglm:8") == 0
         assert c.get("/readyz").status_code == 200  # other models are usable
         r = c.post("/denoise", files={"image": PNG})  # the next denoiser takes over as the default
         assert r.status_code == 200 and r.headers["x-kdeq-model"] == "denoise-stationary-kglm:2"
@@ -162,7 +162,7 @@ def test_out_of_memory_gives_503_and_the_service_keeps_serving(monkeypatch) -> N
     back-off itself is tested in tests/test_engine.py."""
     with client(MODELS, max_batch_size=8) as c:
         assert c.app.state.service.wait_loaded(120)
-        predictor = c.app.state.service.registry.slots["denoise-kglm:7"].predictors["cpu"]
+        predictor = c.app.state.service.registry.slots["denoise-kglm:8"].predictors["cpu"]
         real, calls = predictor.predict, []
 
         def predict(images, *args, **kwargs):

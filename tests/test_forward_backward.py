@@ -246,7 +246,7 @@ def test_the_shipped_flat_prior_models_are_all_here() -> None:
     names = {_name(p) for p in _models()}
     expected = {
         "denoise-kglm:1", "denoise-kglm:2", "denoise-kglm:3", "denoise-kglm:4", "denoise-kglm:5",
-        "denoise-kglm:6", "denoise-kglm:7",
+        "denoise-kglm:6", "denoise-kglm:7", "denoise-kglm:8",
         "denoise-stationary-kglm:1",
         "denoise-stationary-kglm:2", "inpaint-kglm:1", "inpaint-kglm:2", "inpaint-kglm:3", "segment-kglm:1",
         "segment-kglm:2",

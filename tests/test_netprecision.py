@@ -124,10 +124,10 @@ def test_the_pilot_runs_in_the_chosen_dtype_and_training_keeps_float32() -> None
 
 
 def test_bfloat16_moves_the_default_denoisers_output_by_under_a_grey_level() -> None:
-    """``denoise-kglm:7`` (the default) on a grey and a colour image at σ = 25: the output in bfloat16
+    """``denoise-kglm:8`` (the default) on a grey and a colour image at σ = 25: the output in bfloat16
     differs from float32's (so the rounding happened) by under a grey level, and its PSNR by under
     0.02 dB."""
-    model = load_predictor(MODELS / "denoise-kglm" / "7")
+    model = load_predictor(MODELS / "denoise-kglm" / "8")
     grey = piecewise_smooth(96)
     for clean in (grey, torch.cat([grey, grey.flip(-1), 0.5 * grey + 0.3], 1)):
         noisy = clean + 0.1 * torch.randn(clean.shape, generator=torch.Generator().manual_seed(0))

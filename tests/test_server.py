@@ -45,10 +45,10 @@ def test_concurrent_requests_are_batched(server: Server) -> None:
     assert max(sizes) > 1
     after = httpx.get(server.url + "/metrics").text
     count = "kdeq_batch_size_count"
-    batches = metric(after, count, model="denoise-kglm:7") - metric(before, count, model="denoise-kglm:7")
+    batches = metric(after, count, model="denoise-kglm:8") - metric(before, count, model="denoise-kglm:8")
     assert batches < 8  # fewer batches than requests
-    total = metric(after, "kdeq_batch_size_sum", model="denoise-kglm:7") - metric(
-        before, "kdeq_batch_size_sum", model="denoise-kglm:7"
+    total = metric(after, "kdeq_batch_size_sum", model="denoise-kglm:8") - metric(
+        before, "kdeq_batch_size_sum", model="denoise-kglm:8"
     )
     assert total == 8
     # batching is exact: a batched result equals the same request solved alone

@@ -61,7 +61,7 @@ def test_health_ready_and_models(client: TestClient) -> None:
     # the latest version of each model: the deblurrer plug-and-play around the trained denoiser, the
     # others trained from their kGLM start
     assert set(models) == {
-        "denoise-kglm:7",
+        "denoise-kglm:8",
         "denoise-stationary-kglm:2",
         "inpaint-kglm:3",
         "segment-kglm:2",
@@ -71,13 +71,13 @@ def test_health_ready_and_models(client: TestClient) -> None:
         "denoise-impulse-kglm:2",
     }
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
-    assert models["denoise-kglm:7"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
+    assert models["denoise-kglm:8"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
 
 
 def test_metrics_is_a_plain_route_in_the_text_format(client: TestClient) -> None:
     r = client.get("/metrics", follow_redirects=False)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    for model in ("denoise-kglm:7", "inpaint-kglm:3", "segment-kglm:2"):
+    for model in ("denoise-kglm:8", "inpaint-kglm:3", "segment-kglm:2"):
         assert metric(r.text, "kdeq_model_ready", model=model) == 1
     assert metric(r.text, "kdeq_build_info") == 1
 
@@ -123,7 +123,7 @@ def test_denoise_returns_a_cleaner_png_of_the_same_size_and_mode(client: TestCli
     assert out.mode == "L" and out.size == (80, 64)
     gain = psnr(np.asarray(out) / 255.0, clean) - psnr(dirty / 255.0, clean)
     assert gain > 5.0
-    assert r.headers["x-kdeq-model"] == "denoise-kglm:7"
+    assert r.headers["x-kdeq-model"] == "denoise-kglm:8"
     assert int(r.headers["x-kdeq-iterations"]) >= 1
     assert float(r.headers["x-kdeq-residual"]) <= 1e-4 and r.headers["x-kdeq-converged"] == "true"
     assert float(r.headers["x-kdeq-sigma"]) == 25.0
@@ -245,7 +245,7 @@ def test_named_model_and_version(client: TestClient) -> None:
 
 def test_metrics_move_with_requests(client: TestClient) -> None:
     png, _ = grey_png()
-    labels = {"endpoint": "/denoise", "model": "denoise-kglm:7"}
+    labels = {"endpoint": "/denoise", "model": "denoise-kglm:8"}
     before = client.get("/metrics").text
     client.post("/denoise", files={"image": png})
     capped = client.post("/denoise", files={"image": png}, data={"max_iter": "1", "tol": "1e-9"})
@@ -285,7 +285,7 @@ def test_metrics_move_with_requests(client: TestClient) -> None:
         ({"model": "../../etc"}, None, 400, "invalid_model"),
         ({"model": "nope"}, None, 404, "no_model"),
         ({"model": "segment-kglm"}, None, 404, "no_model"),
-        ({"model": "denoise-kglm:8"}, None, 404, "no_model"),
+        ({"model": "denoise-kglm:99"}, None, 404, "no_model"),
         ({}, {"image": b""}, 400, "empty_file"),
         ({}, {"image": b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4}, 415, "unsupported_media_type"),
         ({}, {"image": np.random.default_rng(0).bytes(3000)}, 415, "unsupported_media_type"),
@@ -481,12 +481,12 @@ def test_a_broken_model_is_reported_and_the_others_serve(tmp_path, caplog) -> No
     with caplog.at_level("ERROR", logger="kdeq.service"), TestClient(create_app(settings)) as c:
         c.app.state.service.wait_loaded(120)
         models = {m["id"]: m for m in c.get("/models").json()}
-        assert models["denoise-kglm:7"]["ready"]
+        assert models["denoise-kglm:8"]["ready"]
         assert not models["segment-kglm:2"]["ready"] and "sha256" in models["segment-kglm:2"]["error"]
         assert not models["ghost"]["ready"] and "no model 'ghost'" in models["ghost"]["error"]
         text = c.get("/metrics").text
         assert metric(text, "kdeq_model_ready", model="segment-kglm:2") == 0
-        assert metric(text, "kdeq_model_ready", model="denoise-kglm:7") == 1
+        assert metric(text, "kdeq_model_ready", model="denoise-kglm:8") == 1
         assert c.get("/readyz").status_code == 200
         assert c.post("/denoise", files={"image": grey_png()[0]}).status_code == 200
         assert_error(c.post("/segment", files={"image": grey_png()[0]}), 404, "no_model")
@@ -599,7 +599,7 @@ def test_uncertainty_comes_in_json_as_the_librarys_map_and_is_refused_where_it_c
     want = solve_batch(task, predictor, [request])[0].uncertainty.std
     assert np.abs(std - want).max() <= u["scale"] * 0.5 + 1e-6 * want.max()
     models = {m["id"]: m["uncertainty"] for m in client.get("/models").json()}
-    assert models["denoise-kglm:7"] and models["inpaint-kglm:3"] and models["super-resolve-kglm:2"]
+    assert models["denoise-kglm:8"] and models["inpaint-kglm:3"] and models["super-resolve-kglm:2"]
     assert models["segment-kglm:2"]  # Laplace's approximation
     assert not models["deblur-kglm:3"]  # plug-and-play
     asked = {"psf": "gaussian:1.6", "uncertainty": "true"}
