@@ -152,9 +152,11 @@ def build_error() -> str | None:
 
 
 def enabled(*tensors: torch.Tensor) -> bool:
-    """Whether the guided kernel's loops for ``tensors`` run natively: on the CPU, in float32 or
-    float64, with nothing to differentiate, by ``choice`` and where the library builds."""
+    """Whether the guided kernel's loops for ``tensors`` run natively: on the CPU, all in float32 or
+    all in float64, with nothing to differentiate, by ``choice`` and where the library builds."""
     if any(t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) for t in tensors):
+        return False
+    if len({t.dtype for t in tensors}) > 1:  # one type throughout: torch's loops promote, C does not
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
@@ -198,6 +200,20 @@ def _writable(*tensors: torch.Tensor | None) -> None:
         raise ValueError("kdeq.native writes only contiguous outputs")
 
 
+def _maps(
+    weights: torch.Tensor,
+    index: Sequence[int],
+    offsets: Sequence[tuple[int, int]],
+    scale: Sequence[float],
+    power: int,
+) -> tuple[tuple, torch.Tensor]:
+    """The arguments both pair loops open with (the maps, the chosen ones' indices, offsets and scales,
+    the power), and the tensor of scales they point into, to be held until the call returns."""
+    taps = torch.tensor(list(scale), dtype=weights.dtype)
+    a, b = _ints([o[0] for o in offsets]), _ints([o[1] for o in offsets])
+    return (_ptr(weights), weights.shape[1], _ints(index), a, b, _ptr(taps), len(index), power), taps
+
+
 def pairs(
     weights: torch.Tensor,
     index: Sequence[int],
@@ -215,24 +231,8 @@ def pairs(
     weights, x = _contiguous(weights, x)
     _writable(out, best)
     bsz, channels, height, width = x.shape
-    taps = torch.tensor(list(scale), dtype=x.dtype)
-    args = (
-        _ptr(weights),
-        weights.shape[1],
-        _ints(index),
-        _ints([a for a, _ in offsets]),
-        _ints([b for _, b in offsets]),
-        _ptr(taps),
-        len(index),
-        power,
-        _ptr(x),
-        channels,
-        _ptr(out),
-        _ptr(best),
-        bsz,
-        height,
-        width,
-    )
+    maps, _held = _maps(weights, index, offsets, scale, power)
+    args = (*maps, _ptr(x), channels, _ptr(out), _ptr(best), bsz, height, width)
     _rows(_fn("kdeq_pairs", x.dtype), height, args)
 
 
@@ -254,25 +254,8 @@ def patch_pairs(
     weights, t, x = _contiguous(weights, t, x)
     _writable(out)
     bsz, channels, height, width = x.shape
-    taps = torch.tensor(list(scale), dtype=x.dtype)
-    args = (
-        _ptr(weights),
-        weights.shape[1],
-        _ints(index),
-        _ints([a for a, _ in offsets]),
-        _ints([b for _, b in offsets]),
-        _ptr(taps),
-        len(index),
-        power,
-        _ptr(t),
-        patch_radius,
-        _ptr(x),
-        channels,
-        _ptr(out),
-        bsz,
-        height,
-        width,
-    )
+    maps, _held = _maps(weights, index, offsets, scale, power)
+    args = (*maps, _ptr(t), patch_radius, _ptr(x), channels, _ptr(out), bsz, height, width)
     _rows(_fn("kdeq_patch", x.dtype), height, args)
 
 
