@@ -15,9 +15,10 @@ compiler, or if the build fails, kdeq uses its torch loops; the build and the ch
 
 A call splits the rows of its images into bands, one per thread of torch's own OpenMP pool
 (``torch.get_num_threads()``): the library is linked to ``libgomp.so.1``, which the loader finds
-already loaded by torch. (Threads of a pool of their own competed with torch's workers, which spin
-for a while after each operation, and lost.) Results do not depend on the split: each pixel is
-summed in one fixed order (see ``native.c``).
+already loaded by torch. Threads of a pool of their own competed with torch's workers, which spin
+for a while after each operation, and lost; so where loading it brings a second OpenMP runtime
+(a torch built with another), torch's loops are used. Results do not depend on the split: each pixel
+is summed in one fixed order (see ``native.c``).
 """
 
 from __future__ import annotations
@@ -130,12 +131,36 @@ def library() -> ctypes.CDLL | None:
         try:
             if compiler is None:
                 raise FileNotFoundError(f"no C compiler ({os.environ.get('CC', 'cc')}) on the PATH")
-            _library = ctypes.CDLL(str(_build(compiler)))
+            lib = ctypes.CDLL(str(_build(compiler)))
+            runtimes = openmp_runtimes(_maps_text())
+            if len(runtimes) > 1:
+                raise OSError(f"it would run beside torch's on a second OpenMP runtime: {sorted(runtimes)}")
+            _library = lib
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", None) or exc
             _failed = str(detail).strip()
             log.warning("the guided kernel's C loops are not available, torch's are used: %s", _failed)
         return _library
+
+
+def _maps_text() -> str:
+    try:
+        return Path("/proc/self/maps").read_text()
+    except OSError:
+        return ""
+
+
+def openmp_runtimes(maps: str) -> set[str]:
+    """The OpenMP runtimes' files among a process's mapped files (``/proc/self/maps``' text). The
+    library must use torch's (the loader reuses the ``libgomp.so.1`` torch loaded): one of its own
+    would keep threads of a second pool, which compete with torch's spinning workers for the cores and
+    lost to torch's loops by 2.4× (docs/BENCHMARKS.md, "the offset loops compiled")."""
+    found = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+        if len(fields) == 6 and Path(fields[5]).name.startswith(("libgomp", "libiomp5", "libomp")):
+            found.add(fields[5])
+    return found
 
 
 def summary() -> str:

@@ -197,3 +197,26 @@ def test_without_a_writable_cache_the_library_is_kept_in_a_private_temporary_fol
     folder.chmod(0o777)
     with pytest.raises(PermissionError, match="not this user's own"):
         native._cache_dir()
+
+
+MAPS = """\
+7f1d00000000-7f1d00100000 r-xp 00000000 08:01 1234 /venv/torch/lib/libgomp.so.1
+7f1d00100000-7f1d00200000 r--p 00100000 08:01 1234 /venv/torch/lib/libgomp.so.1
+7f1d00300000-7f1d00400000 r-xp 00000000 08:01 99 /usr/lib/x86_64-linux-gnu/libm.so.6
+7f1d00500000-7f1d00501000 rw-p 00000000 00:00 0
+"""
+
+
+@pytest.mark.usefixtures("fresh")
+def test_a_second_openmp_runtime_beside_torchs_is_refused(monkeypatch, caplog) -> None:
+    """Threads of a second pool compete with torch's for the cores (measured slower than torch's own
+    loops): the library is used only when torch's OpenMP runtime is the one it runs on."""
+    assert native.openmp_runtimes(MAPS) == {"/venv/torch/lib/libgomp.so.1"}
+    second = MAPS + "7f1d00600000-7f1d00700000 r-xp 00000000 08:01 77 /usr/lib/libgomp.so.1\n"
+    assert native.openmp_runtimes(second) == {"/venv/torch/lib/libgomp.so.1", "/usr/lib/libgomp.so.1"}
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(native, "_maps_text", lambda: second)
+    with caplog.at_level(logging.WARNING, logger="kdeq.native"):
+        assert native.library() is None
+    assert "second OpenMP runtime" in native.build_error() and "torch's are used" in caplog.text
