@@ -16,8 +16,8 @@ compiler, or if the build fails, kdeq uses its torch loops; the build and the ch
 A call splits the rows of its images into bands, one per thread of torch's own OpenMP pool
 (``torch.get_num_threads()``): the library is linked to ``libgomp.so.1``, which the loader finds
 already loaded by torch. Threads of a pool of their own competed with torch's workers, which spin
-for a while after each operation, and lost; so where loading it brings a second OpenMP runtime
-(a torch built with another), torch's loops are used. Results do not depend on the split: each pixel
+for a while after each operation, and lost; so where loading it brings an OpenMP runtime beside
+torch's (a torch built with another), torch's loops are used. Results do not depend on the split: each pixel
 is summed in one fixed order (see ``native.c``).
 """
 
@@ -131,10 +131,12 @@ def library() -> ctypes.CDLL | None:
         try:
             if compiler is None:
                 raise FileNotFoundError(f"no C compiler ({os.environ.get('CC', 'cc')}) on the PATH")
-            lib = ctypes.CDLL(str(_build(compiler)))
-            runtimes = openmp_runtimes(_maps_text())
-            if len(runtimes) > 1:
-                raise OSError(f"it would run beside torch's on a second OpenMP runtime: {sorted(runtimes)}")
+            path = _build(compiler)
+            before = openmp_runtimes(_maps_text())
+            lib = ctypes.CDLL(str(path))
+            added = openmp_runtimes(_maps_text()) - before
+            if before and added:
+                raise OSError(f"it brought an OpenMP runtime of its own beside torch's: {sorted(added)}")
             _library = lib
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", None) or exc
@@ -152,9 +154,11 @@ def _maps_text() -> str:
 
 def openmp_runtimes(maps: str) -> set[str]:
     """The OpenMP runtimes' files among a process's mapped files (``/proc/self/maps``' text). The
-    library must use torch's (the loader reuses the ``libgomp.so.1`` torch loaded): one of its own
-    would keep threads of a second pool, which compete with torch's spinning workers for the cores and
-    lost to torch's loops by 2.4× (docs/BENCHMARKS.md, "the offset loops compiled")."""
+    library must run on torch's (the loader reuses the ``libgomp.so.1`` torch loaded): one that its
+    loading brings would keep threads of a second pool, which compete with torch's spinning workers
+    for the cores and lost to torch's loops by 2.4× (docs/BENCHMARKS.md, "the offset loops
+    compiled"). Others already in the process (scikit-learn bundles a ``libgomp`` of its own, under
+    another name) are not the library's."""
     found = set()
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path

@@ -208,15 +208,26 @@ MAPS = """\
 
 
 @pytest.mark.usefixtures("fresh")
-def test_a_second_openmp_runtime_beside_torchs_is_refused(monkeypatch, caplog) -> None:
+def test_an_openmp_runtime_the_library_brings_beside_torchs_is_refused(monkeypatch, caplog) -> None:
     """Threads of a second pool compete with torch's for the cores (measured slower than torch's own
-    loops): the library is used only when torch's OpenMP runtime is the one it runs on."""
+    loops): the library is used only on torch's OpenMP runtime. A runtime already in the process
+    under another name (scikit-learn's) is not the library's, and does not stop it."""
+    other = (
+        "7f1d00800000-7f1d00900000 r-xp 00000000 08:01 55 /venv/scikit_learn.libs/libgomp-e985bcbb.so.1.0.0\n"
+    )
     assert native.openmp_runtimes(MAPS) == {"/venv/torch/lib/libgomp.so.1"}
-    second = MAPS + "7f1d00600000-7f1d00700000 r-xp 00000000 08:01 77 /usr/lib/libgomp.so.1\n"
-    assert native.openmp_runtimes(second) == {"/venv/torch/lib/libgomp.so.1", "/usr/lib/libgomp.so.1"}
+    assert len(native.openmp_runtimes(MAPS + other)) == 2
     if shutil.which("cc") is None:
         pytest.skip("no C compiler here")
-    monkeypatch.setattr(native, "_maps_text", lambda: second)
+    # before and after loading: scikit-learn's runtime was there already
+    seen = iter([MAPS + other, MAPS + other])
+    monkeypatch.setattr(native, "_maps_text", lambda: next(seen))
+    assert native.library() is not None
+    # the loading brings one
+    monkeypatch.setattr(native, "_library", None)
+    second = "7f1d00600000-7f1d00700000 r-xp 00000000 08:01 77 /usr/lib/libgomp.so.1\n"
+    seen = iter([MAPS, MAPS + second])
     with caplog.at_level(logging.WARNING, logger="kdeq.native"):
         assert native.library() is None
-    assert "second OpenMP runtime" in native.build_error() and "torch's are used" in caplog.text
+    assert "an OpenMP runtime of its own beside torch's" in native.build_error()
+    assert "/usr/lib/libgomp.so.1" in native.build_error() and "torch's are used" in caplog.text
