@@ -86,12 +86,12 @@ static void NAME(box)(real *restrict out, const real *restrict in, long step, in
    whose column leaves the image wraps into the next row, weighed 0. A pixel's terms arrive in the
    order of (block, j, z), the blocks aligned on the image, whatever [r0, r1): rows z from
    r0 − max|a_j|, so that a band also reads the rows above it. */
-static void NAME(pairs_rows)(const real *w, int O, const int *index, const int *da, const int *db,
+static int NAME(pairs_rows)(const real *w, int O, const int *index, const int *da, const int *db,
                              const real *scale, int n, int power, const real *in, int C, real *out,
                              real *best, int B, int H, int W, int r0, int r1) {
     size_t plane = (size_t)H * W;
     real *buf = malloc(sizeof(real) * (size_t)2 * ROWS * W);
-    if (!buf) return;
+    if (!buf) return 1;
     int reach = 0;
     for (int j = 0; j < n; ++j) reach = hi(reach, hi(da[j], -da[j]));
     for (int b = 0; b < B; ++b) {
@@ -126,17 +126,22 @@ static void NAME(pairs_rows)(const real *w, int O, const int *index, const int *
             }
     }
     free(buf);
+    return 0;
 }
 
-void NAME(kdeq_pairs)(const real *w, int O, const int *index, const int *da, const int *db,
-                      const real *scale, int n, int power, const real *in, int C, real *out, real *best,
-                      int B, int H, int W, int threads) {
-#pragma omp parallel num_threads(threads)
+/* Each exported function runs its rows in bands, one per thread, and returns 0, or 1 where a thread
+   could not allocate its row buffers (its rows then not computed). */
+int NAME(kdeq_pairs)(const real *w, int O, const int *index, const int *da, const int *db,
+                     const real *scale, int n, int power, const real *in, int C, real *out, real *best,
+                     int B, int H, int W, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int t = omp_get_thread_num(), k = omp_get_num_threads();
-        NAME(pairs_rows)(w, O, index, da, db, scale, n, power, in, C, out, best, B, H, W, H * t / k,
-                         H * (t + 1) / k);
+        failed |= NAME(pairs_rows)(w, O, index, da, db, scale, n, power, in, C, out, best, B, H, W,
+                                   H * t / k, H * (t + 1) / k);
     }
+    return failed;
 }
 
 /* The patch-aggregated pairs: out[b,ch,q] += Σ_j S_j(q)·in[b,ch,q+o_j] + S_j(q−o_j)·in[b,ch,q−o_j],
@@ -148,14 +153,14 @@ void NAME(kdeq_pairs)(const real *w, int O, const int *index, const int *da, con
    A block of PATCH_ROWS rows of S_j at a time, for every j in turn, so that the block's rows of out
    stay in cache; its rows' horizontal sums are made with 2p rows more on each side. A pixel's terms
    arrive in the order of (block, j), the blocks aligned on the image, whatever [r0, r1). */
-static void NAME(patch_rows)(const real *w, int O, const int *index, const int *da, const int *db,
+static int NAME(patch_rows)(const real *w, int O, const int *index, const int *da, const int *db,
                              const real *scale, int n, int power, const real *t, int p, const real *in,
                              int C, real *out, int B, int H, int W, int r0, int r1) {
     size_t plane = (size_t)H * W;
     int m = 2 * p + 1, reach = 0;
     for (int j = 0; j < n; ++j) reach = hi(reach, hi(da[j], -da[j]));
     real *buf = malloc(sizeof(real) * ((size_t)(PATCH_ROWS + 2 * p + 4) * W + 2 * p));
-    if (!buf) return;
+    if (!buf) return 1;
     real *rows = buf, *sums = rows + (size_t)(PATCH_ROWS + 2 * p) * W, *u = sums + W, *tmp = u + W;
     real *padded = tmp + W;
     for (int b = 0; b < B; ++b) {
@@ -200,6 +205,7 @@ static void NAME(patch_rows)(const real *w, int O, const int *index, const int *
             }
     }
     free(buf);
+    return 0;
 }
 
 #if REAL_IS_DOUBLE
@@ -245,13 +251,13 @@ static inline real NAME(expo)(real x) {
    shifted by p: P (B, c, H+2p, W+2p) is the guide mirrored by p; each pixel's squared differences
    summed over the channels in order, then a box of rows' horizontal sums as in kdeq_patch. The taps
    k (n,); out (B, n, H, W), for the rows of [r0, r1). */
-static void NAME(distances_rows)(const real *P, int c, int B, int H, int W, int p, const int *da,
+static int NAME(distances_rows)(const real *P, int c, int B, int H, int W, int p, const int *da,
                                  const int *db, const real *taps, int n, const real *inv, real cutoff,
                                  real floor, real *out, int r0, int r1) {
     int hp = H + 2 * p, wp = W + 2 * p, m = 2 * p + 1;
     size_t pplane = (size_t)hp * wp, plane = (size_t)H * W;
     real *buf = malloc(sizeof(real) * ((size_t)(2 * m + 1) * W + wp));
-    if (!buf) return;
+    if (!buf) return 1;
     real *ring = buf, *sums = ring + (size_t)2 * m * W, *sq = sums + W;
     for (int b = 0; b < B; ++b) {
         const real *pb = P + (size_t)b * c * pplane;
@@ -289,26 +295,31 @@ static void NAME(distances_rows)(const real *P, int c, int B, int H, int W, int 
         }
     }
     free(buf);
+    return 0;
 }
 
-void NAME(kdeq_patch)(const real *w, int O, const int *index, const int *da, const int *db,
-                      const real *scale, int n, int power, const real *t, int p, const real *in, int C,
-                      real *out, int B, int H, int W, int threads) {
-#pragma omp parallel num_threads(threads)
+int NAME(kdeq_patch)(const real *w, int O, const int *index, const int *da, const int *db,
+                     const real *scale, int n, int power, const real *t, int p, const real *in, int C,
+                     real *out, int B, int H, int W, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int i = omp_get_thread_num(), k = omp_get_num_threads();
-        NAME(patch_rows)(w, O, index, da, db, scale, n, power, t, p, in, C, out, B, H, W, H * i / k,
-                         H * (i + 1) / k);
+        failed |= NAME(patch_rows)(w, O, index, da, db, scale, n, power, t, p, in, C, out, B, H, W,
+                                   H * i / k, H * (i + 1) / k);
     }
+    return failed;
 }
 
-void NAME(kdeq_distances)(const real *P, int c, int B, int H, int W, int p, const int *da, const int *db,
-                          const real *taps, int n, const real *inv, real cutoff, real floor, real *out,
-                          int threads) {
-#pragma omp parallel num_threads(threads)
+int NAME(kdeq_distances)(const real *P, int c, int B, int H, int W, int p, const int *da, const int *db,
+                         const real *taps, int n, const real *inv, real cutoff, real floor, real *out,
+                         int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int i = omp_get_thread_num(), k = omp_get_num_threads();
-        NAME(distances_rows)(P, c, B, H, W, p, da, db, taps, n, inv, cutoff, floor, out, H * i / k,
-                             H * (i + 1) / k);
+        failed |= NAME(distances_rows)(P, c, B, H, W, p, da, db, taps, n, inv, cutoff, floor, out,
+                                       H * i / k, H * (i + 1) / k);
     }
+    return failed;
 }

@@ -203,15 +203,17 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
 
 
 def _rows(fn, height: int, args: tuple) -> None:
-    """``fn(*args, threads)``: its images' rows in bands, one per thread of torch's OpenMP pool."""
-    fn(*args, max(1, min(torch.get_num_threads(), height // MIN_ROWS_PER_THREAD)))
+    """``fn(*args, threads)``: its images' rows in bands, one per thread of torch's OpenMP pool;
+    ``MemoryError`` where a thread could not allocate its row buffers."""
+    if fn(*args, max(1, min(torch.get_num_threads(), height // MIN_ROWS_PER_THREAD))):
+        raise MemoryError("kdeq.native: a thread's row buffers could not be allocated")
 
 
 def _fn(name: str, dtype: torch.dtype):
     lib = library()
     assert lib is not None
     fn = getattr(lib, f"{name}_{'f' if dtype == torch.float32 else 'd'}")
-    fn.restype = None
+    fn.restype = ctypes.c_int
     return fn
 
 
