@@ -5,6 +5,8 @@ import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -231,3 +233,30 @@ def test_an_openmp_runtime_the_library_brings_beside_torchs_is_refused(monkeypat
         assert native.library() is None
     assert "an OpenMP runtime of its own beside torch's" in native.build_error()
     assert "/usr/lib/libgomp.so.1" in native.build_error() and "torch's are used" in caplog.text
+
+
+UNALLOCATABLE = """
+import resource, sys, torch
+from kdeq import native
+assert native.library() is not None  # loaded from the cache before the limit
+width = 1 << 21  # a thread's row buffers: 2 x 8 rows x width floats = 128 MiB
+weights, x = torch.zeros(1, 1, 1, width), torch.zeros(1, 1, 1, width)
+out = torch.zeros_like(x)
+size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + (32 << 20), resource.RLIM_INFINITY))
+try:
+    native.pairs(weights, [0], [(0, 0)], [1.0], 1, x, out)
+except MemoryError as error:
+    sys.exit(f"raised: {error}")
+"""
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the address space from /proc")
+def test_row_buffers_that_cannot_be_allocated_raise_rather_than_leave_rows_uncomputed() -> None:
+    """A fresh process whose address space has room for 32 MiB more: the loop's 128 MiB of row
+    buffers cannot be had, and the call raises ``MemoryError`` (it used to return with its rows
+    never written)."""
+    run = subprocess.run([sys.executable, "-c", UNALLOCATABLE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stderr
+    assert "raised: kdeq.native: a thread's row buffers could not be allocated" in run.stderr
