@@ -31,7 +31,7 @@ from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
-from kdeq.guidenet import opponent, pilot
+from kdeq.guidenet import from_opponent, pilot, to_opponent
 from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 from kdeq.refine import refined_pilot, refines
 
@@ -123,11 +123,10 @@ class Denoiser(Predictor):
             if not self.luminance_only(x.shape[1]):
                 out = layer(x, mean=mean, mean_out=mean, solver=cfg)
                 return Prediction(out.eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
-            q = opponent(3, x.dtype).to(x.device)
-            y, m = (torch.einsum("kc,bchw->bkhw", q, v) for v in (x, mean))
+            y, m = to_opponent(x), to_opponent(mean)
             m0 = m[:, :1]
             out = layer(y[:, :1], mean=m0, mean_out=m0, solver=cfg)
-            eta = torch.einsum("kc,bkhw->bchw", q, torch.cat([out.eta, m[:, 1:]], dim=1))
+            eta = from_opponent(torch.cat([out.eta, m[:, 1:]], dim=1))
             return Prediction(eta, out.stats, lam, sigma=s * 255.0, pilot=pilot_image)
         layer = self.conv_layer(Gaussian(), lam)
         mean = self._mean(x, valid, sizes, level)

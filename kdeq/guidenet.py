@@ -257,6 +257,16 @@ def opponent(c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (t / t.norm(dim=1, keepdim=True)).to(dtype)
 
 
+def to_opponent(x: torch.Tensor) -> torch.Tensor:
+    """``Q x`` at each pixel: ``x`` ``(B, c, H, W)`` in the opponent basis ``Q`` of its channels."""
+    return torch.einsum("dc,bchw->bdhw", opponent(x.shape[1], x.dtype).to(x.device), x)
+
+
+def from_opponent(u: torch.Tensor) -> torch.Tensor:
+    """``Qᵀ u`` at each pixel, ``to_opponent``'s inverse (``Q`` is orthonormal): ``(B, c, H, W)``."""
+    return torch.einsum("dc,bdhw->bchw", opponent(u.shape[1], u.dtype).to(u.device), u)
+
+
 def unshuffle(v: torch.Tensor) -> torch.Tensor:
     """``(N, k, H, W)`` → ``(N, 4k, ⌈H/2⌉, ⌈W/2⌉)``; odd sizes are extended by replicating one row or
     column so that the 2×2 unshuffle tiles the image."""
@@ -338,13 +348,11 @@ def _per_opponent_channel(
     channels, one channel per sample (``(B·c, 1, H, W)``, sample-major), mapped back by ``Qᵀ``:
     ``(B, c, H, W)``."""
     bsz, c, height, width = y.shape
-    q = opponent(c, y.dtype).to(y.device)
 
     def split(x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("dc,bchw->bdhw", q, x).reshape(bsz * c, 1, height, width)
+        return to_opponent(x).reshape(bsz * c, 1, height, width)
 
-    p = fn(split(y), split(base))
-    return torch.einsum("dc,bdhw->bchw", q, p.reshape(bsz, c, height, width))
+    return from_opponent(fn(split(y), split(base)).reshape(bsz, c, height, width))
 
 
 def _per_opponent_level(level: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor | None:
@@ -413,11 +421,10 @@ def _colour_pilot(
     opponent basis ``Q``, ``p = b + a_c·(y − b) + N_θ^c`` of the three channels less their means
     (``level`` ``(B, 3)`` when given), unshuffled together beside the ``σ`` map; mapped back by ``Qᵀ``."""
     q = opponent(3, y.dtype).to(y.device)
-    u, ub = (torch.einsum("dc,bchw->bdhw", q, v) for v in (y, base))
+    u, ub = to_opponent(y), to_opponent(base)
     h = network_input(u, sigma, None if level is None else (level.to(y.dtype) @ q.T)[..., None, None])
     correction = _network(h, tensors, net, tuple(u.shape[-2:]), colour=True)
-    p = ub + tensors["net_colour_skip"] * (u - ub) + correction
-    return torch.einsum("dc,bdhw->bchw", q, p)
+    return from_opponent(ub + tensors["net_colour_skip"] * (u - ub) + correction)
 
 
 def upscale_pilot(

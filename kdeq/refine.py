@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from kdeq.adaptive import GuidedOperator, Sizes
-from kdeq.guidenet import REFINE, REFINE_COLOUR, Refine, conv_stack, opponent, unshuffle
+from kdeq.guidenet import REFINE, REFINE_COLOUR, Refine, conv_stack, from_opponent, to_opponent, unshuffle
 
 
 def refines(refine: Refine, channels: int) -> bool:
@@ -82,8 +82,7 @@ def _refined(
     s = sigma.to(y.dtype).reshape(-1, 1, 1, 1)
     gap, noisy = nu - p, y - p
     if y.shape[1] == 3:
-        q = opponent(3, y.dtype).to(y.device)
-        gap, noisy = (torch.einsum("dc,bchw->bdhw", q, v) for v in (gap, noisy))
+        gap, noisy = to_opponent(gap), to_opponent(noisy)
     h = unshuffle(torch.cat([gap / s, noisy / s, spread], dim=1))
     h = torch.cat([h, s.expand(-1, 1, *h.shape[-2:])], dim=1)
     prefix, features = (
@@ -93,4 +92,4 @@ def _refined(
     a = conv_stack(h, tensors, prefix, features, refine.depth, tuple(y.shape[-2:]))
     if y.shape[1] == 1:
         return p + a * gap
-    return p + torch.einsum("dc,bdhw->bchw", q, a * gap)
+    return p + from_opponent(a * gap)

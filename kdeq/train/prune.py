@@ -35,7 +35,7 @@ from kdeq.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from kdeq.guidenet import GuideNet, network_input, opponent
+from kdeq.guidenet import GuideNet, network_input, to_opponent
 from kdeq.train.data import image_files, load_images, random_patch
 
 #: patches the saliency is measured on, their side and their noise range (0–255)
@@ -143,8 +143,7 @@ def prune(
                 f"got {colour_channels}"
             )
         y, sigma = _noisy_patches(colour_images or [], torch.Generator().manual_seed(seed))
-        q = opponent(3, y.dtype)
-        h = network_input(torch.einsum("dc,bchw->bdhw", q, y), sigma)
+        h = network_input(to_opponent(y), sigma)
         keep = _keep(saliency(tensors, "net_colour", net.depth, h), colour_channels)
         tensors = pruned(tensors, "net_colour", net.depth, keep)
         grown = grown.model_copy(update={"colour_channels": colour_channels})
