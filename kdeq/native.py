@@ -210,11 +210,10 @@ def _rows(fn, height: int, args: tuple) -> None:
 
 
 def _fn(name: str, dtype: torch.dtype):
+    """The kernel ``name`` for ``dtype``; it returns its status as a C ``int``, ctypes' default."""
     lib = library()
     assert lib is not None
-    fn = getattr(lib, f"{name}_{'f' if dtype == torch.float32 else 'd'}")
-    fn.restype = ctypes.c_int
-    return fn
+    return getattr(lib, f"{name}_{'f' if dtype == torch.float32 else 'd'}")
 
 
 def _real(dtype: torch.dtype, value: float) -> ctypes._SimpleCData:
