@@ -519,7 +519,7 @@ class GuidedOperator:
         both = torch.cat([inside, v], dim=1)
         with torch.no_grad():
             # the patch mean needs Z alone from this pass: the mass without the matches
-            total, centre = self._match_sums(both[:, :1] if patches else both, power)
+            total, centre = self._match_sums(inside if patches else both, power)
             mass = total[:, :1]
             centre = torch.where(centre > 0, centre, 1.0)
             spread, norm = torch.log1p(mass / centre), mass + centre
