@@ -61,6 +61,15 @@ the prior mean of kernel ridge regression through the degradation (``kdeq.tasks.
 the output ``p + K Aᵀ(A K Aᵀ + λI)⁻¹(y − A p)`` is the pilot corrected until its degradation
 reproduces ``y`` up to ``λ``. At the kGLM start ``p = u`` and the model is the closed-form
 super-resolver.
+
+Any of these networks may be averaged over the symmetries of the square (``GuideNet.ensemble``,
+``dihedral_mean``), the test-time self-ensemble: the denoiser's pilot is then
+
+    p = b + a·(y − b) + (1/n)·Σ_g g⁻¹ N_θ(g y, σ),
+
+over the first ``n`` of ``DIHEDRAL``'s turns and mirrors ``g``; the others' likewise. It is still a
+function of ``y`` alone, so the kernel it guides stays PSD and the mean it gives is a prior mean
+(DESIGN §2.5, §2.6); it costs ``n`` passes of the network.
 """
 
 from __future__ import annotations
@@ -133,7 +142,10 @@ class GuideNet(BaseModel):
     (``opponent``, the default, left out of the written config), or at a grey image's scale
     (``mean``): ``√3·N_θ(y₀/√3, σ/√3)``, the channel mean ``(R + G + B)/3`` at the noise level it has.
     ``refine`` (``sigma`` only) adds the denoiser's non-local refinement of the pilot (``Refine``);
-    ``None``, the default, is left out of the written config.
+    ``None``, the default, is left out of the written config. ``ensemble`` is how many of the eight
+    symmetries of the square ``N_θ`` is averaged over (``dihedral_mean``): 1, the default, left out of
+    the written config, reads the image as it is; 2 adds its mirror image, 4 its half turn and that
+    turn's mirror, 8 the quarter turns (the test-time self-ensemble: ``n`` times the network's cost).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -144,6 +156,7 @@ class GuideNet(BaseModel):
     colour_channels: int | None = Field(None, ge=4, le=256)
     luminance: Literal["opponent", "mean"] = "opponent"
     refine: Refine | None = None
+    ensemble: Literal[1, 2, 4, 8] = 1
 
     @model_validator(mode="after")
     def _colour_is_sigma(self) -> GuideNet:
@@ -166,6 +179,8 @@ class GuideNet(BaseModel):
             data.pop("luminance", None)
         if self.refine is None:
             data.pop("refine", None)
+        if self.ensemble == 1:
+            data.pop("ensemble", None)
         return data
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -265,6 +280,43 @@ def to_opponent(x: torch.Tensor) -> torch.Tensor:
 def from_opponent(u: torch.Tensor) -> torch.Tensor:
     """``Qᵀ u`` at each pixel, ``to_opponent``'s inverse (``Q`` is orthonormal): ``(B, c, H, W)``."""
     return torch.einsum("dc,bdhw->bchw", opponent(u.shape[1], u.dtype).to(u.device), u)
+
+
+#: the eight symmetries ``g`` of the square as (quarter turns, mirrored first), in the order
+#: ``GuideNet.ensemble`` takes its first ``n``: the four that keep an image's shape first
+DIHEDRAL = ((0, False), (0, True), (2, False), (2, True), (1, False), (1, True), (3, False), (3, True))
+
+
+def _apply(x: torch.Tensor, turns: int, mirrored: bool) -> torch.Tensor:
+    """``g x`` for ``x`` ``(N, k, H, W)``: mirrored left to right, then turned ``turns`` quarter turns."""
+    x = x.flip(-1) if mirrored else x
+    return torch.rot90(x, turns, (-2, -1)) if turns else x
+
+
+def _undo(x: torch.Tensor, turns: int, mirrored: bool) -> torch.Tensor:
+    """``g⁻¹ x``, ``_apply``'s inverse."""
+    x = torch.rot90(x, -turns, (-2, -1)) if turns else x
+    return x.flip(-1) if mirrored else x
+
+
+def dihedral_mean(fn: Callable[..., torch.Tensor], images: tuple[torch.Tensor, ...], n: int) -> torch.Tensor:
+    """``(1/n)·Σ_g g⁻¹ fn(g x₁, g x₂, …)`` over the first ``n`` symmetries ``g`` of ``DIHEDRAL``
+    (``n`` = 1, 2, 4 or 8), for images ``x_i`` ``(N, k_i, H, W)`` and an ``fn`` that maps them to
+    ``(N, k, H, W)``: the self-ensemble of a network on images, D₄-equivariant for ``n = 8``.
+    ``n = 1`` is ``fn(x₁, …)`` itself. Otherwise odd sides are first extended by replicating the last
+    row or column, so that every ``g`` keeps the 2×2 unshuffle's blocks where the image's own are (a
+    tile's included, ``kdeq.tiling``); the mean is cropped back to ``(H, W)``."""
+    if n == 1:
+        return fn(*images)
+    height, width = images[0].shape[-2:]
+    ph, pw = height % 2, width % 2
+    if ph or pw:
+        images = tuple(F.pad(x, (0, pw, 0, ph), mode="replicate") for x in images)
+    total = None
+    for g in DIHEDRAL[:n]:
+        out = _undo(fn(*(_apply(x, *g) for x in images)), *g)
+        total = out if total is None else total + out
+    return (total / n)[..., :height, :width]
 
 
 def unshuffle(v: torch.Tensor) -> torch.Tensor:
@@ -393,18 +445,20 @@ def pilot(
     if net.luminance == "mean" and y.shape[1] == 3:
         # the luminance's gain g = √3 per sample, 1 for the colour differences: N_θ reads u/g at σ/g
         # and its output is scaled back by g, so a colour image's luminance looks like a grey image
-        gain = y.new_tensor([math.sqrt(3.0), 1.0, 1.0]).repeat(y.shape[0]).reshape(-1, 1, 1, 1)
+        gain: torch.Tensor | float = (
+            y.new_tensor([math.sqrt(3.0), 1.0, 1.0]).repeat(y.shape[0]).reshape(-1, 1, 1, 1)
+        )
     else:
-        gain = None
+        gain = 1.0  # exact: u/1 and 1·N_θ are N_θ's input and output bit for bit
 
     def one(u: torch.Tensor, ub: torch.Tensor) -> torch.Tensor:
-        size = tuple(u.shape[-2:])
-        if gain is None:
-            correction = _network(network_input(u, s, level), tensors, net, size)
-        else:
-            h = network_input(u / gain, s / gain, None if level is None else level / gain)
-            correction = gain * _network(h, tensors, net, size)
-        return ub + tensors["net_skip"] * (u - ub) + correction
+        scaled = u / gain
+        centre = scaled.mean(dim=(2, 3), keepdim=True) if level is None else level / gain
+
+        def correction(v: torch.Tensor) -> torch.Tensor:
+            return gain * _network(network_input(v, s / gain, centre), tensors, net, tuple(v.shape[-2:]))
+
+        return ub + tensors["net_skip"] * (u - ub) + dihedral_mean(correction, (scaled,), net.ensemble)
 
     return _per_opponent_channel(one, y, base)
 
@@ -422,9 +476,13 @@ def _colour_pilot(
     (``level`` ``(B, 3)`` when given), unshuffled together beside the ``σ`` map; mapped back by ``Qᵀ``."""
     q = opponent(3, y.dtype).to(y.device)
     u, ub = to_opponent(y), to_opponent(base)
-    h = network_input(u, sigma, None if level is None else (level.to(y.dtype) @ q.T)[..., None, None])
-    correction = _network(h, tensors, net, tuple(u.shape[-2:]), colour=True)
-    return from_opponent(ub + tensors["net_colour_skip"] * (u - ub) + correction)
+    centre = u.mean(dim=(2, 3), keepdim=True) if level is None else (level.to(y.dtype) @ q.T)[..., None, None]
+
+    def correction(v: torch.Tensor) -> torch.Tensor:
+        return _network(network_input(v, sigma, centre), tensors, net, tuple(v.shape[-2:]), colour=True)
+
+    correction_mean = dihedral_mean(correction, (u,), net.ensemble)
+    return from_opponent(ub + tensors["net_colour_skip"] * (u - ub) + correction_mean)
 
 
 def upscale_pilot(
@@ -440,9 +498,14 @@ def upscale_pilot(
     level = _per_opponent_level(level, u)
 
     def one(v: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
-        h = unshuffle(v - (v.mean(dim=(2, 3), keepdim=True) if level is None else level))
-        h = torch.cat([h, torch.full_like(h[:, :1], 1.0 / scale)], dim=1)
-        return v + _network(h, tensors, net, tuple(v.shape[-2:]))
+        centre = v.mean(dim=(2, 3), keepdim=True) if level is None else level
+
+        def correction(x: torch.Tensor) -> torch.Tensor:
+            h = unshuffle(x - centre)
+            h = torch.cat([h, torch.full_like(h[:, :1], 1.0 / scale)], dim=1)
+            return _network(h, tensors, net, tuple(x.shape[-2:]))
+
+        return v + dihedral_mean(correction, (v,), net.ensemble)
 
     return _per_opponent_channel(one, u, u)
 
@@ -466,8 +529,12 @@ def inpaint_pilot(
         centre = level
         if centre is None:
             centre = (u * m).sum(dim=(2, 3), keepdim=True) / m.sum(dim=(2, 3), keepdim=True)
-        h = torch.cat([unshuffle(m * (u - centre)), unshuffle(m)], dim=1)
-        return ub + _network(h, tensors, net, tuple(u.shape[-2:]))
+
+        def mean(x: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
+            h = torch.cat([unshuffle(mx * (x - centre)), unshuffle(mx)], dim=1)
+            return _network(h, tensors, net, tuple(x.shape[-2:]))
+
+        return ub + dihedral_mean(mean, (u, m), net.ensemble)
 
     return _per_opponent_channel(one, y, base)
 
@@ -481,5 +548,9 @@ def segment_mean(
 ) -> torch.Tensor:
     """The segmenter's logit mean ``m = N_θ(x − τ, t)`` ``(B, 1, H, W)`` for the luminance ``x`` and
     labels ``t`` ``(B, 1, H, W)`` and the thresholds ``τ`` ``(B,)``."""
-    h = torch.cat([unshuffle(grey - tau.reshape(-1, 1, 1, 1)), unshuffle(labels)], dim=1)
-    return _network(h, tensors, net, tuple(grey.shape[-2:]))
+
+    def mean(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([unshuffle(x - tau.reshape(-1, 1, 1, 1)), unshuffle(t)], dim=1)
+        return _network(h, tensors, net, tuple(x.shape[-2:]))
+
+    return dihedral_mean(mean, (grey, labels), net.ensemble)

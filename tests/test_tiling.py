@@ -141,7 +141,7 @@ def assert_reach(
 
 
 @pytest.mark.usefixtures("guided_backend")
-@pytest.mark.parametrize("name", ["denoise-kglm", "denoise-stationary-kglm"])
+@pytest.mark.parametrize("name", ["denoise-kglm", "denoise-kglm-x8", "denoise-stationary-kglm"])
 def test_a_pixel_s_equation_reads_nothing_beyond_the_reach(name) -> None:
     """Perturb one pixel at ∞-distance ``ρ + 1`` or more from ``x``: ``x``'s equation is bit for bit
     unchanged; within ``ρ`` it changes. (How far the equation's float32 bits can feel a pixel is less
@@ -187,6 +187,16 @@ def test_the_default_denoiser_tiled_matches_the_untiled_solve(default, colour, s
     # the estimated σ is the whole image's, not each tile's
     assert cut.fields["sigma"] == pytest.approx(whole.fields["sigma"], rel=1e-6)
     assert cut.converged and cut.finite and cut.lam == pytest.approx(whole.lam, rel=1e-6)
+
+
+def test_the_ensemble_denoiser_tiled_matches_the_untiled_solve_on_odd_sides() -> None:
+    """``denoise-kglm-x8`` turns and mirrors each tile: its odd-sized tiles still see the whole
+    image's 2×2 blocks, so tiled matches untiled as the default denoiser's does."""
+    model = shipped("denoise-kglm-x8")
+    image = noisy(97, 133, False, seed=2)
+    whole = solve(model, image, 25.0, tol=1e-6)
+    cut = solve(model, image, 25.0, tol=1e-6, size=64)
+    assert np.abs(cut.output - whole.output).max() < 1e-3
 
 
 @pytest.mark.parametrize("sigma", [5.0, 20.0, 50.0])
