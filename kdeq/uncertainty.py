@@ -98,7 +98,7 @@ from kdeq.adaptive import GuidedOperator
 from kdeq.checkpoint import GuidedArchitecture, NoiseLambda
 from kdeq.conv import Stationary
 from kdeq.linear import Negated, solve_affine
-from kdeq.noise import estimate_sigma
+from kdeq.noise import haar_sigma
 from kdeq.operators import Blur, BlurSubsample, Diagonal, Identity, KernelMap, Operator, Restriction, Sandwich
 from kdeq.predictor import Predictor
 from kdeq.solvers import SolverConfig
@@ -567,7 +567,7 @@ def _deblur(
     f0, _ = predictor._first(blur, x, lam, predictor.solver(None))
     guide, _ = predictor._guide(f0, s)
     kern = predictor.config.architecture.kernel
-    h2 = kern.h2(x.shape[1], estimate_sigma(guide)) * predictor.bandwidth_scale**2
+    h2 = kern.h2(x.shape[1], haar_sigma(guide)) * predictor.bandwidth_scale**2  # as kdeq.tasks.deblur
     kernel = _guided_kernel(predictor, guide, h2)
     spacing = probe_spacing(predictor.tensors["spatial"].shape[0] // 2)
     return GaussianPosterior(kernel, op, lam.double(), amplitude, None, tuple(x.shape), None, spacing)

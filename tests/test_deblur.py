@@ -20,7 +20,7 @@ from scipy import ndimage
 
 from kdeq.adaptive import guided_gram
 from kdeq.cli import main as kdeq_main
-from kdeq.noise import estimate_sigma
+from kdeq.noise import haar_sigma
 from kdeq.operators import Blur
 from kdeq.predictor import SolverOverride
 from kdeq.psf import MAX_PSF_SIDE, parse_psf
@@ -181,7 +181,7 @@ def test_the_guided_deblurrer_is_kernel_ridge_regression_twice(
     pilot = m0 + flat @ H.T @ np.linalg.solve(H @ flat @ H.T + lam * np.eye(n), y32 - H @ m0)
     np.testing.assert_allclose(prediction.pilot[0, 0].double().numpy().reshape(-1), pilot, atol=2e-5)
     guide = torch.from_numpy(pilot.reshape(1, h, w))
-    h2 = (kern["bandwidth"] ** 2 * 2 * (2 * kern["patch_radius"] + 1) ** 2) * estimate_sigma(guide[None]) ** 2
+    h2 = (kern["bandwidth"] ** 2 * 2 * (2 * kern["patch_radius"] + 1) ** 2) * haar_sigma(guide[None]) ** 2
     K = guided_gram(guide, spatial, kern["patch_radius"], float(h2), normalize=True).numpy()
     raw = guided_gram(guide, spatial, kern["patch_radius"], float(h2), normalize=False).numpy()
     np.testing.assert_allclose(K, K.T, atol=1e-12)

@@ -57,7 +57,7 @@ from kdeq.checkpoint import (
 from kdeq.denoise import Denoiser
 from kdeq.filters import separable_blur
 from kdeq.guidenet import pilot
-from kdeq.noise import estimate_sigma
+from kdeq.noise import haar_sigma
 from kdeq.operators import Blur, KernelMap, solve_observed
 from kdeq.pnp import noise_schedule, plug_and_play
 from kdeq.predictor import Prediction, Predictor, SolverOverride
@@ -119,8 +119,10 @@ class Deblurrer(Predictor):
         f0, first = self._first(blur, x, lam, cfg)
         kern = self.config.architecture.kernel
         guide, learned = self._guide(f0, s)
-        # the guide's own noise (the deconvolution amplifies the observations'), per image
-        h2 = kern.h2(x.shape[1], estimate_sigma(guide)) * self.bandwidth_scale**2
+        # the guide's own noise (the deconvolution amplifies the observations'), per image; the Haar
+        # estimate for colour too: the deconvolution's noise is not white, which the patch estimate
+        # assumes, and the bandwidth was chosen with this one
+        h2 = kern.h2(x.shape[1], haar_sigma(guide)) * self.bandwidth_scale**2
         spatial, budget = self.tensors["spatial"], self.weight_budget
         op = GuidedOperator(guide, spatial, kern.patch_radius, h2, kern.normalize, budget, mean_of=f0)
         mean = op.local_mean
