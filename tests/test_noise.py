@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq.noise import AGREEMENT, PATCH, PATCHES, estimate_sigma, haar_sigma, patch_sigma
+from kdeq.noise import AGREEMENT, MIN_PATCHES, PATCH, PATCHES, estimate_sigma, haar_sigma, patch_sigma
 
 
 def textured(height: int, width: int, seed: int = 0) -> torch.Tensor:
@@ -39,12 +39,12 @@ def numpy_patch_sigma(image: np.ndarray, step: int) -> float:
     return math.sqrt(max(best, 0.0))
 
 
-@pytest.mark.parametrize(("height", "width", "sigma"), [(40, 52, 10.0), (96, 64, 30.0)])
+@pytest.mark.parametrize(("height", "width", "sigma"), [(40, 52, 10.0), (96, 64, 30.0), (150, 140, 20.0)])
 def test_the_patch_estimate_is_numpys_on_explicit_patches(height, width, sigma) -> None:
     gen = torch.Generator().manual_seed(2)
     noisy = textured(height, width) + sigma / 255 * torch.randn(3, height, width, generator=gen)
     positions = (height - PATCH + 1) * (width - PATCH + 1)
-    step = max(2, math.ceil(math.sqrt(positions / PATCHES)))
+    step = max(1, math.ceil(math.sqrt(positions / PATCHES)))
     want = numpy_patch_sigma(noisy.double().numpy(), step)
     assert float(patch_sigma(noisy)) == pytest.approx(want, rel=1e-4)
 
@@ -65,8 +65,8 @@ def test_a_large_image_reads_a_coarser_grid_and_keeps_its_accuracy() -> None:
     clean = textured(600, 700, seed=6)
     noisy = clean + 20 / 255 * torch.randn(clean.shape, generator=gen)
     positions = (600 - PATCH + 1) * (700 - PATCH + 1)
-    step = max(2, math.ceil(math.sqrt(positions / PATCHES)))
-    assert step > 2 and positions / step**2 <= 1.1 * PATCHES
+    step = max(1, math.ceil(math.sqrt(positions / PATCHES)))
+    assert step > 1 and positions / step**2 <= 1.1 * PATCHES
     assert float(patch_sigma(noisy)) * 255 == pytest.approx(20, rel=0.03)
 
 
@@ -84,8 +84,10 @@ def test_grey_and_tiny_images_get_the_haar_estimate_and_each_image_its_own() -> 
     gen = torch.Generator().manual_seed(8)
     grey = torch.rand(2, 1, 30, 30, generator=gen)
     assert torch.equal(estimate_sigma(grey), haar_sigma(grey))
-    tiny = torch.rand(1, 3, PATCH - 1, 9, generator=gen)
-    assert torch.equal(estimate_sigma(tiny), haar_sigma(tiny))
+    for height, width in [(PATCH - 1, 9), (40, 52)]:  # no patch; fewer than MIN_PATCHES
+        small = torch.rand(1, 3, height, width, generator=gen)
+        assert max(0, height - PATCH + 1) * (width - PATCH + 1) < MIN_PATCHES
+        assert torch.equal(estimate_sigma(small), haar_sigma(small))
     clean = textured(64, 80)[None].expand(2, 3, 64, 80)
     noisy = clean + torch.tensor([5.0, 40.0]).reshape(2, 1, 1, 1) / 255 * torch.randn(
         2, 3, 64, 80, generator=gen
