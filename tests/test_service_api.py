@@ -62,6 +62,7 @@ def test_health_ready_and_models(client: TestClient) -> None:
     # others trained from their kGLM start
     assert set(models) == {
         "denoise-kglm:8",
+        "denoise-kglm-x8:1",
         "denoise-stationary-kglm:2",
         "inpaint-kglm:3",
         "segment-kglm:2",
@@ -71,7 +72,8 @@ def test_health_ready_and_models(client: TestClient) -> None:
         "denoise-impulse-kglm:2",
     }
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
-    assert models["denoise-kglm:8"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
+    assert models["denoise-kglm:8"]["default"]
+    assert not models["denoise-kglm-x8:1"]["default"] and not models["denoise-stationary-kglm:2"]["default"]
 
 
 def test_metrics_is_a_plain_route_in_the_text_format(client: TestClient) -> None:
