@@ -5,9 +5,9 @@
 
 Protocol: each image of each set with ``bench/baselines.py``'s Gaussian noise (seed = the image's
 index), both estimates on the same noisy image (one thread). Prints a Markdown table per set and σ:
-each estimate's error in grey levels (mean, rms, largest) and its mean milliseconds per image. Grey
-sets get the Haar estimate either way; colour sets show what the patch-covariance estimate changes.
-Needs ``../shared/data``.
+each estimate's error in grey levels (mean, rms, largest) and its mean milliseconds per image: the
+whole image's Haar estimate (``haar_sigma``) beside ``estimate_sigma`` (the flattest tiles' for grey
+sets, the patch covariance's for colour ones). Needs ``../shared/data``.
 """
 
 from __future__ import annotations

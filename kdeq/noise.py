@@ -41,7 +41,7 @@ PATCH = 4
 #: at most about this many patches enter a colour image's covariance: beyond, they are taken on a
 #: coarser grid (a 25-megapixel photo costs what a 256² image does)
 PATCHES = 1 << 14
-#: a colour image with fewer patches gets the Haar estimate: on 32² crops of Kodak24 the patch
+#: a colour image with fewer patches gets the grey estimate: on 32² crops of Kodak24 the patch
 #: estimate reads 0.5 grey levels low at σ = 25 (its smallest eigenvalues spread with few samples), on
 #: 48² crops 0.3, on 64² crops 0.06
 MIN_PATCHES = 1 << 11
@@ -69,7 +69,7 @@ def estimate_sigma(images: torch.Tensor) -> torch.Tensor:
     if images.shape[1] == 1 or positions < MIN_PATCHES:
         return torch.stack([flat_sigma(x) for x in images])
     haar = haar_sigma(images)
-    # the grey estimate only where the colour one is refused: it costs 3-4 times the colour one
+    # the grey estimate only where the colour one is refused: it blurs the image, the colour one does not
     colour = [patch_sigma(x) for x in images]
     out = [p if p >= AGREEMENT * h else flat_sigma(x) for p, h, x in zip(colour, haar, images, strict=True)]
     return torch.stack(out)
