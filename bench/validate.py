@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kdeq import backends, native, netprecision
 from kdeq.train.config import TrainConfig
-from kdeq.train.loop import TASKS, TRAINING_BACKEND, evaluate, validation_examples
+from kdeq.train.loop import TASKS, evaluate, reproducible_arithmetic, validation_examples
 from kdeq.train.model import TrainableModel, start_tensors
 
 
@@ -55,11 +54,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     score = f"val_{TASKS[args.task].score_name}"
-    with (
-        backends.reproducible(TRAINING_BACKEND),
-        netprecision.choice.reproducible("float32"),
-        native.choice.reproducible("loop"),
-    ):
+    with reproducible_arithmetic():
         rows = {c: scores(c, args) for c in args.checkpoints}
     levels = sorted(
         {k for r in rows.values() for k in r if k.startswith(f"{score}@")},

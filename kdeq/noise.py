@@ -75,12 +75,23 @@ def estimate_sigma(images: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
+def blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four pixels ``(x₀₀, x₀₁, x₁₀, x₁₁)`` of each 2×2 block of ``x`` ``(…, H, W)`` with even
+    ``H, W``, as views ``(…, H/2, W/2)``."""
+    return x[..., 0::2, 0::2], x[..., 0::2, 1::2], x[..., 1::2, 0::2], x[..., 1::2, 1::2]
+
+
+def haar_diagonal(corners: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The finest diagonal Haar coefficients ``d = (x₀₀ − x₀₁ − x₁₀ + x₁₁)/2`` of ``blocks``' four
+    views: ``(…, H/2, W/2)``."""
+    return (corners[0] - corners[1] - corners[2] + corners[3]) / 2
+
+
 def haar_sigma(images: torch.Tensor) -> torch.Tensor:
     """``σ̂ = median|d| / Φ⁻¹(3/4)`` over the Haar diagonal band ``d`` of all channels of each image
     ``(B, c, H, W)``, ``H, W ≥ 2``: ``(B,)``."""
     h, w = images.shape[-2] // 2 * 2, images.shape[-1] // 2 * 2
-    x = images[..., :h, :w].to(torch.float32)
-    d = (x[..., 0::2, 0::2] - x[..., 0::2, 1::2] - x[..., 1::2, 0::2] + x[..., 1::2, 1::2]) / 2
+    d = haar_diagonal(blocks(images[..., :h, :w].to(torch.float32)))
     return d.abs().reshape(images.shape[0], -1).median(dim=1).values / MAD_TO_STD
 
 
@@ -97,8 +108,8 @@ def flat_sigma(image: torch.Tensor) -> torch.Tensor:
         return haar_sigma(image[None])[0]
     x = image[None, :, :height, :width].to(torch.float32)
     c, rows, cols, half = x.shape[1], height // TILE, width // TILE, TILE // 2
-    corners = x[..., 0::2, 0::2], x[..., 0::2, 1::2], x[..., 1::2, 0::2], x[..., 1::2, 1::2]
-    d = (corners[0] - corners[1] - corners[2] + corners[3]) / 2
+    corners = blocks(x)
+    d = haar_diagonal(corners)
     # activity and saturation read at half resolution, a quarter of the memory: a 25-megapixel grey
     # scan's estimate peaks 225 MiB above its image (the whole-image Haar estimate's 100; at full
     # resolution, 580)

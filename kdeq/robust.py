@@ -77,7 +77,7 @@ from kdeq.adaptive import GuidedOperator
 from kdeq.checkpoint import GuidedArchitecture, NoiseLambda
 from kdeq.denoise import Denoiser
 from kdeq.filters import gaussian_taps, mirror_pad, normalized_convolution
-from kdeq.noise import MAD_TO_STD
+from kdeq.noise import MAD_TO_STD, blocks, haar_diagonal
 from kdeq.predictor import Prediction, SolverOverride, overridden
 from kdeq.solvers import SolverConfig, SolverStats, fixed_point, linear_cg
 
@@ -130,7 +130,7 @@ def robust_sigma(y: torch.Tensor) -> torch.Tensor:
     x = y[..., :h, :w].to(torch.float32)
     # a block is clean when none of its four pixels is at an end of the range
     clean = F.max_pool2d(range_ends(x).to(torch.float32), 2) == 0
-    d = ((x[..., 0::2, 0::2] - x[..., 0::2, 1::2] - x[..., 1::2, 0::2] + x[..., 1::2, 1::2]) / 2).abs()
+    d = haar_diagonal(blocks(x)).abs()
     out = []
     for k in range(y.shape[0]):
         keep = d[k][clean[k].expand_as(d[k])]

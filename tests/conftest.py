@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kdeq import native
+from tests.helpers import require_native
 
 # The guide networks run in float32 throughout the suite, as training runs them (a developer's own
 # setting stands): its tests compare pilots and solves to 1e-5 and closer, which bfloat16, where
@@ -33,8 +34,8 @@ def one_thread() -> Iterator[None]:
 def guided_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """A test on each implementation of the guided kernel's offset loops on the CPU: torch's
     operations, and ``kdeq.native``'s compiled C (skipped where no C compiler builds it)."""
-    if request.param == "native" and native.library() is None:
-        pytest.skip(f"kdeq/native.c does not build here: {native.build_error()}")
+    if request.param == "native":
+        require_native()
     with native.choice.force(request.param):
         yield request.param
 

@@ -4,9 +4,17 @@ import math
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
+from kdeq import native
 from kdeq.psf import parse_psf
+
+
+def require_native() -> None:
+    """Skip the calling test, with the reason, where ``kdeq/native.c`` does not build."""
+    if native.library() is None:
+        pytest.skip(f"kdeq/native.c does not build here: {native.build_error()}")
 
 
 def binary_shapes(count: int, size: int, seed: int) -> torch.Tensor:

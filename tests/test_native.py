@@ -16,14 +16,14 @@ import torch
 from kdeq import native
 from kdeq.adaptive import GuidedOperator, apply_weights, guided_weights
 from kdeq.kernels import Kernel
+from tests.helpers import require_native
 
 F64 = torch.float64
 
 
 @pytest.fixture
 def built() -> None:
-    if native.library() is None:
-        pytest.skip(f"kdeq/native.c does not build here: {native.build_error()}")
+    require_native()
 
 
 def both(fn) -> dict[str, object]:

@@ -17,6 +17,7 @@ from kdeq.adaptive import (
 from kdeq.cli import test_image as piecewise_image
 from kdeq.kernels import Kernel
 from kdeq.noise import estimate_sigma
+from tests.helpers import require_native
 
 F64 = torch.float64
 
@@ -26,8 +27,8 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     """Each test below on the CPU's paths (an offset at a time in place, by torch's operations or by
     ``kdeq.native``'s compiled loops) and on the GPU's (groups of offsets by gathers), which the CPU
     runs as well when told to."""
-    if request.param == "native" and native.library() is None:
-        pytest.skip(f"kdeq/native.c does not build here: {native.build_error()}")
+    if request.param == "native":
+        require_native()
     monkeypatch.setattr(adaptive, "_gathers", lambda x: request.param == "gathered")
     with native.choice.force("native" if request.param == "native" else "loop"):
         yield request.param

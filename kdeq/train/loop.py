@@ -35,7 +35,8 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -290,6 +291,20 @@ def _centre_crop(x: torch.Tensor, size: int) -> torch.Tensor:
 TRAINING_BACKEND = "prepadded"
 
 
+@contextmanager
+def reproducible_arithmetic() -> Iterator[None]:
+    """The arithmetic every rank, a resumed run and ``bench/validate.py`` must repeat, within: no
+    per-process timing of the convolution backends (``TRAINING_BACKEND``), the networks in float32 on
+    any machine (a validation chooses the checkpoint), and the guided kernel's loops by torch whether
+    or not a machine compiles its own."""
+    with (
+        backends.reproducible(TRAINING_BACKEND),
+        netprecision.choice.reproducible("float32"),
+        native.choice.reproducible("loop"),
+    ):
+        yield
+
+
 def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> dict:
     """Run ``cfg``; returns the report (also written to ``out/report/metrics.json`` by rank 0).
 
@@ -311,14 +326,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             device_id=device if device.type == "cuda" else None,
         )
     try:
-        # every rank, and a resumed run, must repeat the same arithmetic: no per-process timing of
-        # the convolution backends, a validation (which chooses the checkpoint) in float32 on any
-        # machine, and the guided kernel's loops by torch whether or not a machine compiles its own
-        with (
-            backends.reproducible(TRAINING_BACKEND),
-            netprecision.choice.reproducible("float32"),
-            native.choice.reproducible("loop"),
-        ):
+        with reproducible_arithmetic():
             return _train(cfg, progress, rank, device)
     finally:
         if owned:
