@@ -8,8 +8,8 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
-import httpx2 as httpx
 import numpy as np
 import pytest
 
@@ -42,16 +42,36 @@ def multipart(png: bytes) -> tuple[bytes, str]:
 RESET = 0
 
 
+class Sent(NamedTuple):
+    """One request of ``hammer``: when it was sent (monotonic seconds), how long its answer took, its
+    status, its ``Retry-After`` and the seconds of its solve by ``Server-Timing`` (None without one)."""
+
+    start: float
+    seconds: float
+    status: int
+    retry: str | None
+    inference: float | None
+
+
+def inference_seconds(server_timing: str | None) -> float | None:
+    """The ``inference;dur=`` phase of a ``Server-Timing`` header, in seconds."""
+    for part in (server_timing or "").split(","):
+        name, _, duration = part.strip().partition(";dur=")
+        if name == "inference":
+            return float(duration) / 1e3
+    return None
+
+
 def hammer(
     url: str, pngs: list[bytes], clients: int, seconds: float, interval: float | None = None
-) -> list[tuple[float, float, int, str | None]]:
-    """(start, seconds, status, Retry-After) of every request ``clients`` threads sent for ``seconds``,
-    each thread with its own keep-alive connection: back to back, or one every ``interval`` seconds
-    per thread (an open load that does not slow down when the server does). The client is plain
-    ``http.client`` with bodies built beforehand, so the measuring side costs little CPU."""
+) -> list[Sent]:
+    """Every request ``clients`` threads sent for ``seconds``, each thread with its own keep-alive
+    connection: back to back, or one every ``interval`` seconds per thread (an open load that does not
+    slow down when the server does). The client is plain ``http.client`` with bodies built beforehand,
+    so the measuring side costs little CPU."""
     host, port = url.split("//")[1].split(":")
     bodies = [multipart(p) for p in pngs]
-    out: list[tuple[float, float, int, str | None]] = []
+    out: list[Sent] = []
     lock = threading.Lock()
     stop = time.monotonic() + seconds
 
@@ -74,13 +94,14 @@ def hammer(
                     r.getheader("retry-after"),
                     r.getheader("connection") == "close",
                 )
+                inference = inference_seconds(r.getheader("server-timing"))
             except (ConnectionError, http.client.HTTPException):
                 # a refusal sent before the upload is read closes the connection; while this side is
                 # still sending, the close can reach it as a reset before the 503 can be read
-                status, retry, close = RESET, None, True
+                status, retry, close, inference = RESET, None, True, None
             elapsed = time.monotonic() - t0
             with lock:
-                out.append((t0, elapsed, status, retry))
+                out.append(Sent(t0, elapsed, status, retry, inference))
             if close:
                 conn.close()
                 conn = http.client.HTTPConnection(host, int(port), timeout=120)
@@ -92,13 +113,29 @@ def hammer(
     return out
 
 
+def one_request_seconds(url: str, png: bytes) -> float:
+    """Seconds of one ``POST /denoise`` of ``png`` on a new connection, with the plain client ``hammer``
+    uses: what the server takes, not what a client library adds (``httpx.post`` builds a client per
+    call, ~20 ms on this machine, twice a 128² solve, which once made the "6× capacity" load 2×)."""
+    host, port = url.split("//")[1].split(":")
+    body, ctype = multipart(png)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    t0 = time.monotonic()
+    conn.request("POST", "/denoise", body=body, headers={"Content-Type": ctype})
+    r = conn.getresponse()
+    r.read()
+    elapsed = time.monotonic() - t0
+    conn.close()
+    assert r.status == 200, r.status
+    return elapsed
+
+
 def single_solve_seconds(url: str, png: bytes, repeats: int = 5) -> float:
-    times = []
+    """The median of ``repeats`` requests after as many unmeasured: a fresh server's first solves of a
+    shape are slower (allocations, the compiled loops' first call) and once made the median 2× slow."""
     for _ in range(repeats):
-        t0 = time.monotonic()
-        assert httpx.post(url + "/denoise", files={"image": png}, data={"sigma": "20"}, timeout=60).is_success
-        times.append(time.monotonic() - t0)
-    return float(np.median(times))
+        one_request_seconds(url, png)
+    return float(np.median([one_request_seconds(url, png) for _ in range(repeats)]))
 
 
 def probed(url: str, stop: threading.Event, period: float = 0.1) -> list[float]:
@@ -125,7 +162,9 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
     before and after it."""
     queue = 4
     with run_server(tmp_path, queue_size=queue, max_batch_size=1) as server:
-        pngs = images(128)
+        # 256²: a solve of ~40 ms here puts the 6× load near 150 requests/s; at 128² (~13 ms) it was
+        # ~450/s, whose HTTP handling on 2 cores slowed the accepted solves to within 6 % of their bound
+        pngs = images(256)
         alone = single_solve_seconds(server.url, pngs[0])
         # an open load of 6× what one worker serves (1 / `alone`), spread over 16 clients, whatever
         # this machine's speed
@@ -138,27 +177,27 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
             finally:
                 stop.set()  # the probe ends whatever happened to the load, or the pool would wait for ever
             probe_max = max(probes.result())
-        codes = [c for _, _, c, _ in results]
+        codes = [r.status for r in results]
         assert set(codes) <= {200, 503, RESET}, set(codes)
         # a refusal the client could not read for a reset is rare: the 503s are what clients get
         assert codes.count(RESET) <= 0.05 * codes.count(503), (codes.count(RESET), codes.count(503))
-        rejected = [t for _, t, c, _ in results if c == 503]
-        accepted = [t for _, t, c, _ in results if c == 200]
+        rejected = [r.seconds for r in results if r.status == 503]
+        accepted = [r.seconds for r in results if r.status == 200]
         assert len(rejected) > len(accepted) > 0  # offered load far above capacity
-        assert all(retry == "1" for _, _, c, retry in results if c == 503)
+        assert all(r.retry == "1" for r in results if r.status == 503)
         p99_rejected = float(np.quantile(rejected, 0.99))
         assert p99_rejected <= max(0.050, 3.0 * probe_max), (p99_rejected, probe_max)
         # recovery: the next request is served at once, at its unloaded latency
-        t0 = time.monotonic()
-        assert httpx.post(
-            server.url + "/denoise", files={"image": pngs[0]}, data={"sigma": "20"}, timeout=60
-        ).is_success
-        recovered = time.monotonic() - t0
+        recovered = one_request_seconds(server.url, pngs[0])
         after = single_solve_seconds(server.url, pngs[0])
         unit = max(alone, after)
-        # an accepted request waits for at most the queue ahead of it, the one being solved and itself
+        # an accepted request waits for at most the queue ahead of it, the one being solved and itself,
+        # each a solve as slow as the load makes it: the server's own handling of ~150 refusals a
+        # second and a neighbour's work share the cores with the solves (with a busy loop beside the
+        # test on 2 cores, solves took 2× their unloaded time)
+        loaded = float(np.quantile([r.inference for r in results if r.status == 200], 0.99))
         p99_accepted = float(np.quantile(accepted, 0.99))
-        assert p99_accepted <= 2.0 * (queue + 2) * unit, (p99_accepted, alone, after)
+        assert p99_accepted <= 2.0 * (queue + 2) * max(unit, loaded), (p99_accepted, alone, after, loaded)
         assert recovered <= 3.0 * unit + 0.05, (recovered, alone, after)
     summary = {
         "clients": clients,
@@ -171,6 +210,7 @@ def test_overload_is_refused_fast_and_the_service_recovers(tmp_path) -> None:
         "rejected_503": len(rejected),
         "other": len(results) - len(accepted) - len(rejected),
         "single_solve_ms_before_after": [round(alone * 1e3, 1), round(after * 1e3, 1)],
+        "p99_solve_under_load_ms": round(loaded * 1e3, 1),
         "slowest_probe_ms": round(probe_max * 1e3, 1),
         "p99_rejection_ms": round(p99_rejected * 1e3, 1),
         "probes": len(probes.result()),
@@ -187,7 +227,7 @@ def side_by_side(urls: list[str], pngs: list[bytes], seconds: float) -> list[lis
     moments."""
     with ThreadPoolExecutor(len(urls)) as pool:
         runs = [pool.submit(hammer, url, pngs, 3, seconds) for url in urls]
-        return [[t for _, t, status, _ in run.result() if status == 200] for run in runs]
+        return [[r.seconds for r in run.result() if r.status == 200] for run in runs]
 
 
 def test_soak_holds_memory_and_latency(tmp_path, request) -> None:
@@ -206,12 +246,12 @@ def test_soak_holds_memory_and_latency(tmp_path, request) -> None:
         rss_start = rss_bytes(pid)
         results = hammer(server.url, pngs, clients=3, seconds=seconds)
         rss_end = rss_bytes(pid)
-        errors = [c for _, _, c, _ in results if c != 200]
+        errors = [r.status for r in results if r.status != 200]
         assert not errors, errors[:10]
         growth = (rss_end - rss_start) / rss_start
         assert growth < 0.10, (rss_start, rss_end)
-        start = results[0][0]
-        thirds = [[t for t0, t, _, _ in results if int(3 * (t0 - start) / seconds) == k] for k in range(3)]
+        start = results[0].start
+        thirds = [[r.seconds for r in results if int(3 * (r.start - start) / seconds) == k] for k in range(3)]
         p99 = [float(np.quantile(part, 0.99)) for part in thirds]
         with run_server(tmp_path) as fresh:
             hammer(fresh.url, pngs, clients=3, seconds=5.0)  # the same warm-up
@@ -228,7 +268,7 @@ def test_soak_holds_memory_and_latency(tmp_path, request) -> None:
         "p99_ms_by_third": [round(x * 1e3, 1) for x in p99],
         "p90_ms_soaked_fresh": [round(x * 1e3, 1) for x in p90],
         "requests_soaked_fresh": [len(soaked_lat), len(fresh_lat)],
-        "p50_ms": round(float(np.median([t for _, t, _, _ in results])) * 1e3, 1),
+        "p50_ms": round(float(np.median([r.seconds for r in results])) * 1e3, 1),
     }
     SUMMARY.mkdir(parents=True, exist_ok=True)
     (SUMMARY / "soak.json").write_text(json.dumps(summary, indent=1))
