@@ -415,6 +415,14 @@ def weight_budget(device: torch.device) -> int:
     return int(free * WEIGHT_BUDGET_FREE_SHARE)
 
 
+def _spread(mass: torch.Tensor, centre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the matches' mass ``Σ_o u_o`` and largest match ``max_o u_o`` ``(B, 1, H, W)``: the spread
+    ``log(1 + Σ_o u_o / c)``, the centre's weight ``c`` (the largest match, 1 where there is none) and
+    the normaliser ``Z = c + Σ_o u_o``."""
+    centre = torch.where(centre > 0, centre, 1.0)
+    return torch.log1p(mass / centre), centre, mass + centre
+
+
 class GuidedOperator:
     """``K̃``: ``K`` or ``D^{-1/2} K D^{-1/2}`` (``d = K1``) of a batch of guides, as an operator.
 
@@ -511,21 +519,28 @@ class GuidedOperator:
         over patch centres ``z`` inside the image. Returns ``ν`` ``(B, c, H, W)`` and
         ``log(1 + Σ_o u_o / c)`` ``(B, 1, H, W)``, at most ``log (2R+1)²`` (``c`` is the sum's largest
         term). Not differentiated."""
-        height, width = v.shape[-2:]
-        # [1, v]: the 1 is 0 on a padded batch's padding: a patch's pixels may lie there, its centre not
-        inside = torch.ones_like(v[:, :1])
-        if self._sizes is not None:
-            inside = _inside((height, width), [(0, 0)], v.device, self._sizes).to(v.dtype)
+        inside = self._inside_of(v)
         both = torch.cat([inside, v], dim=1)
         with torch.no_grad():
             # the patch mean needs Z alone from this pass: the mass without the matches
             total, centre = self._match_sums(inside if patches else both, power)
-            mass = total[:, :1]
-            centre = torch.where(centre > 0, centre, 1.0)
-            spread, norm = torch.log1p(mass / centre), mass + centre
+            spread, centre, norm = _spread(total[:, :1], centre)
             if not patches:
                 return (total[:, 1:] + centre * v) / norm, spread
             return self._patch_mean(v, both, centre, norm, inside, power), spread
+
+    def match_spread(self, like: torch.Tensor, power: int) -> torch.Tensor:
+        """``nonlocal_mean``'s ``log(1 + Σ_o u_o / c)`` ``(B, 1, H, W)`` alone, for images shaped as
+        ``like`` ``(B, c, H, W)``: one pass over the matches' mass. Not differentiated."""
+        with torch.no_grad():
+            return _spread(*self._match_sums(self._inside_of(like), power))[0]
+
+    def _inside_of(self, v: torch.Tensor) -> torch.Tensor:
+        """``(B, 1, H, W)``: 1 inside each image, 0 on a padded batch's padding (a patch's pixels may
+        lie there, its centre not)."""
+        if self._sizes is None:
+            return torch.ones_like(v[:, :1])
+        return _inside(tuple(v.shape[-2:]), [(0, 0)], v.device, self._sizes).to(v.dtype)
 
     def _match_sums(self, summed: torch.Tensor, power: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``Σ_o u_o ⊙ S_o m + S_{−o}(u_o ⊙ m)`` over the offsets ``o ≠ 0`` of the half set, for ``m`` =

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kdeq import collab
 from kdeq.adaptive import GuidedMap, GuidedOperator, weight_budget
 from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
@@ -62,8 +63,9 @@ class Denoiser(Predictor):
         pre-smoothing its radius; a weight ``w(x, x + o)``, ``|o|∞ ≤ R``, reads the guide's patches
         (radius ``p``) at both ends, and the normalisation ``d(x + o)`` another ``R``; a refined pilot
         ``p'`` (``kdeq.refine``) the non-local mean within its network's reach (a patch-aggregated mean
-        reads ``p + R`` further). Stationary: the kernel's radius. Either: at least a
-        normalised-convolution mean's radius."""
+        reads ``p + R`` further), or the collaborative filter (``kdeq.collab.REACH``) and the matches'
+        spread. Stationary: the kernel's radius. Either: at least a normalised-convolution mean's
+        radius."""
         arch = self.config.architecture
         mean = self.mean_taps.shape[0] // 2 if self.config.mean == "normalized_convolution" else 0
         if isinstance(arch, GuidedArchitecture):
@@ -80,6 +82,9 @@ class Denoiser(Predictor):
                 reads = arch.kernel.patch_radius + window
                 reads *= 2 if refine.aggregate == "patch" else 1
                 rows = max(rows, guide + reads + 2 * refine.depth + 1)
+                if refine.estimate == "collaborative":
+                    # the filter reads y alone, no guide: its reach, then H_φ's
+                    rows = max(rows, collab.REACH + 2 * refine.depth + 1)
             return max(rows, mean)
         return max(self.tensors["w1"].shape[-1] // 2, mean)
 

@@ -104,7 +104,9 @@ class Refine(BaseModel):
     pilot is left as it is): the same maps in the opponent basis, three channels each (29 channels
     in, 12 out: a weight per opponent channel and pixel), ``colour_channels`` features, ``depth``
     layers; tensors ``net_refine_colour_<i>_*``. ``None``, the default, is left out of the written
-    config."""
+    config. ``estimate`` is what a grey image's ``ν`` is: the kernel's non-local mean (``nonlocal``,
+    the default, left out of the written config) or the collaborative filter of its matched patches
+    (``collaborative``, ``kdeq.collab``); a colour image's ``ν`` is the non-local mean either way."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -113,6 +115,7 @@ class Refine(BaseModel):
     sharpness: int = Field(3, ge=1, le=8)
     aggregate: Literal["pixel", "patch"] = "pixel"
     colour_channels: int | None = Field(None, ge=4, le=128)
+    estimate: Literal["nonlocal", "collaborative"] = "nonlocal"
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict:
@@ -123,6 +126,8 @@ class Refine(BaseModel):
             data.pop("aggregate", None)
         if self.colour_channels is None:
             data.pop("colour_channels", None)
+        if self.estimate == "nonlocal":
+            data.pop("estimate", None)
         return data
 
 

@@ -17,6 +17,10 @@ from how many matches the pixel has:
 
     p' = p + a ⊙ (ν − p),      a = H_φ((ν − p)/σ, (y − p)/σ, log(1 + Σu/c), σ).
 
+With ``Refine.estimate = "collaborative"`` a grey image's ``ν`` is instead the collaborative
+filter's estimate (``kdeq.collab``: the matched patches shrunk together in a 3-D transform, not
+averaged), and the matches' mass still the kernel's.
+
 For grey images: a colour image's kernel compares colour patches, whose matches ``H_φ``, trained
 on grey images, misreads. ``Refine.colour_channels`` adds ``H_φ^c`` for them, trained on colour
 images, which weighs each opponent channel of ``ν − p`` (without it ``kdeq.denoise`` leaves colour
@@ -31,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from kdeq.adaptive import GuidedOperator, Sizes
+from kdeq.collab import each_collaborative
 from kdeq.guidenet import REFINE, REFINE_COLOUR, Refine, conv_stack, from_opponent, to_opponent, unshuffle
 
 
@@ -58,7 +63,10 @@ def refined_pilot(
             f"the non-local refinement is for grey images, or colour ones with a colour network; got "
             f"{y.shape[1]} channels"
         )
-    nu, spread = op.nonlocal_mean(y, refine.sharpness, patches=refine.aggregate == "patch")
+    if refine.estimate == "collaborative" and y.shape[1] == 1:
+        nu, spread = each_collaborative(y, sigma, sizes), op.match_spread(y, refine.sharpness)
+    else:
+        nu, spread = op.nonlocal_mean(y, refine.sharpness, patches=refine.aggregate == "patch")
     if sizes is None:
         return _refined(y, p, nu, spread, sigma, tensors, refine)
     out = p.clone()

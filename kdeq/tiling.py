@@ -1,8 +1,9 @@
 """Images of any size, a tile at a time: cores that cover the image, each solved inside a halo.
 
 An image of ``H × W`` pixels is cut into a grid of cores of about ``size × size`` (near-equal parts,
-starting on even pixels so that a guide network's 2×2 unshuffle sees the whole image's grid); each
-tile reads its core and up to ``halo`` pixels around it (clipped at the image's borders), is solved as
+starting on even pixels); each tile reads its core and up to ``halo`` pixels around it (clipped at the
+image's borders, and starting on multiples of 6, so that a guide network's 2×2 unshuffle and the
+collaborative filter's grid of reference patches see the whole image's), is solved as
 an image of its own, and writes back its core. Memory then grows with the tile, not the image: the
 guided kernel's weight maps, its largest buffers, are a tile's.
 
@@ -30,6 +31,7 @@ from itertools import pairwise, product
 
 import numpy as np
 
+from kdeq.collab import STEP
 from kdeq.predictor import Predictor
 from kdeq.tasks import Request, Solved, Task, UncertaintyMap, solve_batch
 
@@ -37,8 +39,12 @@ from kdeq.tasks import Request, Solved, Task, UncertaintyMap, solve_batch
 #: peaks within 2 GiB (docs/BENCHMARKS.md)
 TILE_SIZE = 768
 
-#: window starts are multiples of this (the guide networks' 2×2 pixel unshuffle)
+#: cores start at multiples of this (the guide networks' 2×2 pixel unshuffle)
 ALIGN = 2
+#: windows start at multiples of this: the unshuffle's blocks, and the reference patches of the
+#: collaborative filter (``kdeq.collab``, every ``STEP``-th pixel from the image's origin), are then
+#: the whole image's
+WINDOW_ALIGN = math.lcm(ALIGN, STEP)
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ class Tile:
 def spans(length: int, size: int, halo: int) -> list[tuple[slice, slice]]:
     """``(window, core)`` along one axis of ``length`` pixels: ``⌈length/size⌉`` cores of near-equal
     length starting at multiples of ``ALIGN``, each window its core and ``halo`` either side, clipped
-    to ``[0, length)`` and starting at a multiple of ``ALIGN``."""
+    to ``[0, length)`` and starting at a multiple of ``WINDOW_ALIGN``."""
     if size < 4 * ALIGN or size % ALIGN or halo < 0:
         raise ValueError(
             f"a tile is an even size of at least {4 * ALIGN} with a halo ≥ 0, got {size}, {halo}"
@@ -72,7 +78,7 @@ def spans(length: int, size: int, halo: int) -> list[tuple[slice, slice]]:
     bounds = [ALIGN * round(k * length / (n * ALIGN)) for k in range(n)] + [length]
     out = []
     for start, stop in pairwise(bounds):
-        lo = max(0, start - halo) // ALIGN * ALIGN
+        lo = max(0, start - halo) // WINDOW_ALIGN * WINDOW_ALIGN
         out.append((slice(lo, min(length, stop + halo)), slice(start, stop)))
     return out
 

@@ -17,6 +17,16 @@ def require_native() -> None:
         pytest.skip(f"kdeq/native.c does not build here: {native.build_error()}")
 
 
+def assert_refinement_alone_retrained(model, base) -> None:
+    """``model`` (a ``Checkpoint``) has ``base``'s task, λ, mean, solver and tensor names, and only its
+    refinement ``H_φ`` and mean mixing ``β`` differ from ``base``'s values (and some do)."""
+    same = ("task", "lam", "mean", "mean_smoothing", "presmooth", "solver")
+    assert all(getattr(model.config, field) == getattr(base.config, field) for field in same)
+    assert model.tensors.keys() == base.tensors.keys()
+    retrained = {name for name in model.tensors if not torch.equal(model.tensors[name], base.tensors[name])}
+    assert retrained and all(name.startswith(("net_refine_", "net_mean_mix")) for name in retrained)
+
+
 def binary_shapes(count: int, size: int, seed: int) -> torch.Tensor:
     """``count`` binary images ``(count, 1, size, size)`` of random discs and rectangles, float64."""
     gen = torch.Generator().manual_seed(seed)

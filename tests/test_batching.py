@@ -25,7 +25,9 @@ def noisy_images(channels: int) -> list[torch.Tensor]:
     return images
 
 
-@pytest.mark.parametrize("name", ["denoise-kglm", "denoise-kglm-x8", "denoise-stationary-kglm"])
+@pytest.mark.parametrize(
+    "name", ["denoise-kglm", "denoise-kglm-x8", "denoise-kglm-collab", "denoise-stationary-kglm"]
+)
 @pytest.mark.parametrize("channels", [1, 3])
 @pytest.mark.parametrize("sigma", [None, 20.0])
 def test_padded_denoise_batch_equals_each_image_alone(name: str, channels: int, sigma: float | None) -> None:

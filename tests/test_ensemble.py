@@ -24,6 +24,7 @@ from kdeq.guidenet import (
     upscale_pilot,
 )
 from kdeq.repository import default_models_dir
+from tests.helpers import assert_refinement_alone_retrained
 from tests.test_guidenet import trained_like
 
 NET = GuideNet(depth=3, channels=8)
@@ -206,8 +207,4 @@ def test_the_shipped_ensemble_model_is_the_default_denoiser_averaged() -> None:
     assert x8.config.architecture.net.ensemble == 8
     net = x8.config.architecture.net.model_copy(update={"ensemble": 1})
     assert x8.config.architecture.model_copy(update={"net": net}) == plain.config.architecture
-    same = ("task", "lam", "mean", "mean_smoothing", "presmooth", "solver")
-    assert all(getattr(x8.config, field) == getattr(plain.config, field) for field in same)
-    assert x8.tensors.keys() == plain.tensors.keys()
-    retrained = {name for name in x8.tensors if not torch.equal(x8.tensors[name], plain.tensors[name])}
-    assert retrained and all(name.startswith(("net_refine_", "net_mean_mix")) for name in retrained)
+    assert_refinement_alone_retrained(x8, plain)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq import backends, tiling
+from kdeq import backends, collab, tiling
 from kdeq.cli import main
 from kdeq.cli import test_image as piecewise_image
 from kdeq.denoise import Denoiser
@@ -24,7 +24,7 @@ from kdeq.repository import default_models_dir, find_model, load_predictor
 from kdeq.robust import RobustDenoiser, patch_weights
 from kdeq.tasks import TASKS, Request, Solved, solve_batch
 from kdeq.tasks.super_resolve import degrade, upsample
-from kdeq.tiling import ALIGN, solve_tiled, spans, tiled, tiles
+from kdeq.tiling import ALIGN, WINDOW_ALIGN, solve_tiled, spans, tiled, tiles
 
 DENOISE = TASKS["denoise"]
 
@@ -56,9 +56,9 @@ def test_cores_cover_every_pixel_once_and_windows_hold_their_halo(length, size, 
     covered = np.zeros(length, dtype=int)
     for window, core in parts:
         covered[core] += 1
-        assert window.start % ALIGN == 0 and core.start % ALIGN == 0
+        assert window.start % WINDOW_ALIGN == 0 and core.start % ALIGN == 0
         assert window.start <= max(0, core.start - halo) and window.stop == min(length, core.stop + halo)
-        assert window.start > core.start - halo - ALIGN
+        assert window.start > core.start - halo - WINDOW_ALIGN
         assert core.stop - core.start <= size + ALIGN
     assert (covered == 1).all()
     assert len(parts) == -(-length // size)
@@ -199,6 +199,28 @@ def test_the_ensemble_denoiser_tiled_matches_the_untiled_solve_on_odd_sides() ->
     assert np.abs(cut.output - whole.output).max() < 1e-3
 
 
+@pytest.mark.usefixtures("guided_backend")
+def test_the_collaborative_denoiser_reads_a_grey_image_within_its_reach() -> None:
+    """``denoise-kglm-collab`` filters a grey image collaboratively (``kdeq.collab``) for its mean: the
+    filter reads up to ``collab.REACH`` pixels away, within the model's reach."""
+    model = shipped("denoise-kglm-collab")
+    rho = model.reach
+    assert rho >= collab.REACH + 2 * model.config.architecture.net.refine.depth + 1
+    y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=False))[None]
+    at = (rho + 4, 3)
+    assert_reach(lambda v: equations(model, v, at), (y,), rho, at, added(0.5), near=(rho // 2, 1))
+
+
+def test_the_collaborative_denoiser_tiled_matches_the_untiled_solve() -> None:
+    """Its tiles' windows start on multiples of ``WINDOW_ALIGN``, on the filter's reference grid: tiled
+    matches untiled on a grey image, odd sides included."""
+    model = shipped("denoise-kglm-collab")
+    image = noisy(97, 133, False, seed=2)
+    whole = solve(model, image, 25.0, tol=1e-6)
+    cut = solve(model, image, 25.0, tol=1e-6, size=64)
+    assert np.abs(cut.output - whole.output).max() < 1e-3
+
+
 @pytest.mark.parametrize("sigma", [5.0, 20.0, 50.0])
 def test_the_stationary_denoiser_tiled_at_its_default_halo_matches_the_untiled_solve(sigma) -> None:
     """Its resolvent carries a pixel's influence past its reach (5): at the default halo
@@ -247,9 +269,9 @@ def test_tiles_per_call_keep_within_the_pixel_budget(default, monkeypatch) -> No
     sizes: list[int] = []
     real = tiling.solve_batch
     monkeypatch.setattr(tiling, "solve_batch", lambda t, p, rs: sizes.append(len(rs)) or real(t, p, rs))
-    request = DENOISE.prepare(noisy(64, 64, colour=False), None, DENOISE.options(sigma=25), {})
-    solve_tiled(DENOISE, default, request, 16, halo=4, batch=8, batch_pixels=2 * 24 * 24)
-    # interior windows are 24×24: two per call; the border ones (20×24, 24×20, 20×20) two as well
+    request = DENOISE.prepare(noisy(96, 96, colour=False), None, DENOISE.options(sigma=25), {})
+    solve_tiled(DENOISE, default, request, 24, halo=6, batch=8, batch_pixels=2 * 36 * 36)
+    # interior windows are 36×36: two per call; the border ones (30×36, 36×30, 30×30) two as well
     assert sum(sizes) == 16 and max(sizes) == 2
 
 

@@ -1,0 +1,221 @@
+"""Collaborative filtering of matched patches: the two stages of block matching and 3-D filtering
+(Dabov, Foi, Katkovnik and Egiazarian, "Image denoising by sparse 3-D transform-domain collaborative
+filtering", IEEE TIP 2007), written for the denoiser's refinement (``kdeq.refine``).
+
+A weighted mean of matched patches (``GuidedOperator.nonlocal_mean``) keeps only what the group has
+in common, noise included. Filtering the group jointly does more: stacked, the ``K`` matches of a
+patch are a 3-D signal whose spectrum (a 2-D transform of each patch, then one along the stack) is
+sparse where they repeat, so shrinking the spectrum removes the noise from what repeats and keeps
+each patch's own detail where it rises above the noise (Barbara's stripes).
+
+For a reference patch ``P_r`` (``n × n``, ``n = 2·PATCH_RADIUS + 1``) on a grid of step ``STEP``, its
+group ``G_r`` is the ``K`` patches of the ``(2R+1)²`` window whose centres are nearest to it in the
+matching image (``P_r`` itself first); ``T = H_K ⊗ (D_n ⊗ D_n)`` with ``D_n`` the orthonormal DCT-II
+and ``H_K`` the orthonormal Haar matrix, so ``T`` is orthonormal and the noise's spectrum is white with
+the same ``σ``:
+
+    stage 1 (``hard``):   Ĝ_r = Tᵀ·thr(T·Y_r),  thr(s) = s·[|s| ≥ λσ],     weight 1/N_r (N_r = kept
+                          coefficients), groups matched on the noisy image ``y``;
+    stage 2 (``wiener``): Ĝ_r = Tᵀ·(ω ⊙ T·Y_r),  ω = (T·B_r)²/((T·B_r)² + σ²), weight 1/‖ω‖², groups
+                          matched on the first stage's estimate ``b`` (and ``B_r`` taken from it).
+
+Each pixel is the weighted mean of every estimate of it (each group member covers ``n²`` pixels),
+each weighted further by a Kaiser window over the patch. Both stages' weights are the reciprocal of
+the estimate's noise variance, as the paper's, up to ``σ²``, which is the same for every group.
+Patches take their pixels from the image mirrored at its borders (``mirror_pad``), as the guided
+kernel's do."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kdeq.adaptive import Sizes, guided_weights, half_offsets
+from kdeq.filters import mirror_pad
+
+#: patches of ``2·PATCH_RADIUS + 1`` pixels a side, matched in a window of ``2·SEARCH_RADIUS + 1``,
+#: reference patches every ``STEP`` pixels (and on the last row and column)
+PATCH_RADIUS = 3
+SEARCH_RADIUS = 7
+STEP = 3
+#: group sizes (powers of two, for the Haar transform along the stack) of the two stages
+GROUP_HARD = 16
+GROUP_WIENER = 16
+#: the hard threshold, in units of σ
+THRESHOLD = 2.7
+#: the Kaiser window's β over a patch
+KAISER_BETA = 2.0
+#: reference patches filtered at a time: a 512² image's groups are ~23 M values at once otherwise
+CHUNK = 4096
+#: the estimate at a pixel reads ``y`` within this many pixels (given the reference grid): a stage's
+#: estimate of ``q`` comes from every group member covering it (within ``p``), each group's reference
+#: (within ``R`` of its members) and the reference's other members and matching candidates (``R``
+#: further, and their pixels ``p``); the second stage reads the first's estimate as far
+REACH = 2 * (2 * SEARCH_RADIUS + 2 * PATCH_RADIUS)
+
+
+def dct_matrix(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II ``(n, n)``: row ``k`` is ``c_k·cos(π(2j + 1)k/2n)``, ``c_0 = √(1/n)``,
+    ``c_k = √(2/n)``."""
+    j = torch.arange(n, dtype=torch.float64)
+    k = j[:, None]
+    out = torch.cos(math.pi * (2 * j[None, :] + 1) * k / (2 * n)) * math.sqrt(2 / n)
+    out[0] /= math.sqrt(2)
+    return out
+
+
+def haar_matrix(k: int) -> torch.Tensor:
+    """The orthonormal Haar matrix ``(k, k)`` for ``k`` a power of two: the mean row, then the
+    differences of halves at every scale, each row of unit norm."""
+    if k < 1 or k & (k - 1):
+        raise ValueError(f"the Haar matrix needs a power of two, got {k}")
+    f64 = torch.float64
+    out = torch.ones(1, 1, dtype=f64)
+    pair, step = torch.tensor([[1.0, 1.0]], dtype=f64), torch.tensor([[1.0, -1.0]], dtype=f64)
+    while out.shape[0] < k:
+        # the coarser rows spread over twice the length, then a difference of neighbours at the finest
+        out = torch.cat([torch.kron(out, pair), torch.kron(torch.eye(out.shape[0], dtype=f64), step)])
+        out = out / math.sqrt(2)
+    return out
+
+
+def transformed(groups: torch.Tensor, stack: torch.Tensor, patch: torch.Tensor) -> torch.Tensor:
+    """``(S ⊗ P)·g`` for each group ``g`` of ``groups`` ``(G, K, c, q)``: ``P`` ``(q, q)`` on every patch
+    (one matrix product over all of them), then ``S`` ``(K, K)`` along the stack (``G`` small ones:
+    half the time of ``einsum``'s plan on this project's CPU)."""
+    g, k, c, q = groups.shape
+    flat = (groups.reshape(-1, q) @ patch.T).reshape(g, k, c * q)
+    return torch.matmul(stack, flat).reshape(g, k, c, q)
+
+
+def grid(length: int) -> torch.Tensor:
+    """Reference positions along a side of ``length``: every ``STEP``-th, and the last."""
+    out = list(range(0, length, STEP))
+    if out[-1] != length - 1:
+        out.append(length - 1)
+    return torch.tensor(out)
+
+
+def matches(guide: torch.Tensor, sigma: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``guide`` ``(c, H, W)``: the reference pixels ``(G,)`` (flat indices, on the grid) and their
+    groups ``(G, K)``: the flat indices of the centres of the ``K = group`` patches of the window
+    nearest to each reference's in ``guide`` (Euclidean distance over the ``n × n × c`` patch), the
+    reference itself first. ``sigma`` (in [0, 1] units) sets the scale of the weights the distances
+    are read from (``guided_weights`` with flat taps), not the ranking."""
+    c, height, width = guide.shape
+    n = 2 * PATCH_RADIUS + 1
+    offsets = half_offsets(SEARCH_RADIUS)
+    taps = torch.ones(2 * SEARCH_RADIUS + 1, 2 * SEARCH_RADIUS + 1, dtype=guide.dtype, device=guide.device)
+    # distances reach ~2·n²·c·σ² between noisy patches; h² of 8 times that keeps every weight far
+    # from the cut at e^-60, so that the weights rank the distances
+    h2 = torch.tensor([16.0 * n * n * c * max(sigma, 1 / 255) ** 2], dtype=guide.dtype, device=guide.device)
+    weights = guided_weights(guide[None], taps, PATCH_RADIUS, h2)[0].reshape(len(offsets), -1)
+    ys, xs = grid(height).to(guide.device), grid(width).to(guide.device)
+    ry, rx = ys[:, None].expand(-1, len(xs)).reshape(-1), xs[None, :].expand(len(ys), -1).reshape(-1)
+    refs = ry * width + rx
+
+    def inside(v: torch.Tensor, length: int) -> torch.Tensor:
+        """How many of the window's rows (columns) at each position ``v`` lie in the image."""
+        return (v + SEARCH_RADIUS).clamp(max=length - 1) - (v - SEARCH_RADIUS).clamp(min=0) + 1
+
+    # the fewest candidates any reference has (a corner's), itself included
+    group = min(group, int(inside(ys, height).min() * inside(xs, width).min()))
+    a = torch.tensor([o[0] for o in offsets], device=guide.device)
+    b = torch.tensor([o[1] for o in offsets], device=guide.device)
+    rows = torch.arange(len(offsets), device=guide.device)[None, :]
+    members = []
+    # a chunk of references at a time: their candidates' indices are int64, 2·O per reference
+    for start in range(0, refs.numel(), CHUNK):
+        cy, cx, here = ry[start : start + CHUNK], rx[start : start + CHUNK], refs[start : start + CHUNK]
+        # w_o(x) pairs x with x + o: a reference r meets r + o in w_o(r), and r − o in w_o(r − o)
+        ty, tx = cy[:, None] + a, cx[:, None] + b
+        sy, sx = cy[:, None] - a, cx[:, None] - b
+        ahead = (ty >= 0) & (ty < height) & (tx >= 0) & (tx < width)
+        behind = (sy >= 0) & (sy < height) & (sx >= 0) & (sx < width) & ((a != 0) | (b != 0))
+        forward = (ty * width + tx).clamp(0, height * width - 1)
+        backward = (sy * width + sx).clamp(0, height * width - 1)
+        scores = torch.cat(
+            [
+                torch.where(ahead, weights[rows, here[:, None].expand_as(forward)], -1.0),
+                torch.where(behind, weights[rows, backward], -1.0),
+            ],
+            dim=1,
+        )
+        scores[:, 0] = 2.0  # the reference first, whatever ties at weight 1
+        best = scores.topk(group, dim=1).indices
+        members.append(torch.cat([forward, backward], dim=1).gather(1, best))
+    return refs, torch.cat(members)
+
+
+def collaborative(y: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Both stages' estimate ``(c, H, W)`` of the clean image from ``y`` ``(c, H, W)`` with white noise
+    of std ``sigma`` (in [0, 1] units): the hard-threshold stage on ``y``, then the Wiener stage
+    guided by it (the module docstring)."""
+    basic = filtered(y, y, sigma, "hard")
+    return filtered(y, basic, sigma, "wiener")
+
+
+def each_collaborative(y: torch.Tensor, sigma: torch.Tensor, sizes: Sizes | None = None) -> torch.Tensor:
+    """``collaborative`` of each image of ``y`` ``(B, c, H, W)`` at its noise level ``σ`` ``(B,)`` (in
+    [0, 1] units), each alone: its own ``(h, w)`` of ``sizes`` in a padded batch (the padding stays 0).
+    Not differentiated."""
+    out = torch.zeros_like(y)
+    with torch.no_grad():
+        for k in range(y.shape[0]):
+            h, w = y.shape[-2:] if sizes is None else sizes[k]
+            out[k, :, :h, :w] = collaborative(y[k, :, :h, :w], float(sigma[k]))
+    return out
+
+
+def filtered(
+    y: torch.Tensor, guide: torch.Tensor, sigma: float, stage: str, pilot: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One stage's estimate ``(c, H, W)`` from ``y`` ``(c, H, W)``: groups matched on ``guide`` (``y``
+    itself for ``hard``; the first stage's estimate for ``wiener``), the Wiener filter's spectra from
+    ``pilot`` (default ``guide``)."""
+    c, height, width = y.shape
+    p, n = PATCH_RADIUS, 2 * PATCH_RADIUS + 1
+    group = GROUP_HARD if stage == "hard" else GROUP_WIENER
+    refs, members = matches(guide, sigma, group)
+    k = members.shape[1]
+    k = 1 << (k.bit_length() - 1)  # a power of two for the Haar transform
+    members = members[:, :k]
+    dct = dct_matrix(n)
+    transform = torch.kron(dct, dct).to(y.dtype)  # (n², n²) on a patch flattened row by row
+    stack = haar_matrix(k).to(y.dtype)
+    window = torch.kaiser_window(n, periodic=False, beta=KAISER_BETA, dtype=torch.float64)
+    window = torch.outer(window, window).reshape(-1).to(y.dtype)
+    wide = width + 2 * p
+
+    def canvas(image: torch.Tensor) -> torch.Tensor:
+        """``image`` mirrored at its borders by ``p``, flat: ``(c, (H + 2p)·(W + 2p))``."""
+        return mirror_pad(image[None], p)[0].reshape(c, -1)
+
+    noisy = canvas(y)
+    pilot = None if stage == "hard" else canvas(guide if pilot is None else pilot)
+    # a patch centred at (i, j) covers the padded canvas's (i + p + di, j + p + dj), |di|, |dj| ≤ p
+    centre = (torch.arange(height)[:, None] + p) * wide + (torch.arange(width)[None, :] + p)
+    centre = centre.reshape(-1).to(y.device)
+    spread = ((torch.arange(n)[:, None] - p) * wide + torch.arange(n)[None, :] - p).reshape(-1).to(y.device)
+    total = torch.zeros_like(noisy)
+    mass = y.new_zeros(noisy.shape[1])
+    threshold = THRESHOLD * sigma
+    for start in range(0, refs.numel(), CHUNK):
+        pixels = centre[members[start : start + CHUNK]][..., None] + spread  # (g, K, n²)
+        spectrum = transformed(noisy[:, pixels].permute(1, 2, 0, 3), stack, transform)
+        if stage == "hard":
+            spectrum = spectrum * (spectrum.abs() >= threshold)
+            weight = 1.0 / spectrum.ne(0).sum(dim=(1, 2, 3)).clamp(min=1).to(y.dtype)
+        else:
+            power = transformed(pilot[:, pixels].permute(1, 2, 0, 3), stack, transform).square()
+            shrink = power / (power + sigma**2)
+            spectrum = spectrum * shrink
+            weight = 1.0 / shrink.square().sum(dim=(1, 2, 3)).clamp(min=torch.finfo(y.dtype).tiny)
+        estimate = transformed(spectrum, stack.T, transform.T)
+        scale = (weight[:, None, None] * window).expand(-1, k, -1)
+        flat = pixels.reshape(-1)
+        total.index_add_(1, flat, (estimate * scale[:, :, None, :]).permute(2, 0, 1, 3).reshape(c, -1))
+        mass.index_add_(0, flat, scale.reshape(-1))
+    out = total / mass.clamp(min=torch.finfo(y.dtype).tiny)
+    return out.reshape(c, height + 2 * p, wide)[:, p : p + height, p : p + width]

@@ -1,0 +1,273 @@
+"""The collaborative filter (``kdeq.collab``): its transforms against their formulas, its groups against
+a brute-force search over explicit patches, perfect reconstruction where nothing is shrunk, each
+stage against a float64 computation written out group by group, its reach on crops, and what it
+keeps of a repeated texture that a weighted mean of matches loses; its use by the refinement
+(``Refine.estimate``)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from kdeq import collab
+from kdeq.adaptive import GuidedOperator
+from kdeq.checkpoint import load_checkpoint
+from kdeq.guidenet import Refine
+from kdeq.repository import default_models_dir
+from kdeq.tiling import WINDOW_ALIGN
+from tests.helpers import assert_refinement_alone_retrained
+
+
+def test_the_transforms_are_the_orthonormal_dct_and_haar() -> None:
+    n = 7
+    d = collab.dct_matrix(n).numpy()
+    j = np.arange(n)
+    for k in range(n):
+        scale = math.sqrt(1 / n) if k == 0 else math.sqrt(2 / n)
+        assert np.allclose(d[k], scale * np.cos(np.pi * (2 * j + 1) * k / (2 * n)))
+    assert np.allclose(d @ d.T, np.eye(n))
+    for k in (1, 2, 4, 16):
+        h = collab.haar_matrix(k).numpy()
+        assert np.allclose(h @ h.T, np.eye(k))
+        assert np.allclose(h[0], 1 / math.sqrt(k))
+    # the finest rows are neighbour differences; the second row halves against halves
+    h = collab.haar_matrix(8).numpy()
+    assert np.allclose(h[-1], np.r_[np.zeros(6), 1, -1] / math.sqrt(2))
+    assert np.allclose(h[1], np.r_[np.ones(4), -np.ones(4)] / math.sqrt(8))
+    with pytest.raises(ValueError, match="power of two"):
+        collab.haar_matrix(6)
+
+
+def explicit_patches(image: np.ndarray, p: int) -> dict[tuple[int, int], np.ndarray]:
+    """Each pixel's ``(2p+1)²·c`` patch of ``image`` ``(c, H, W)`` mirrored at its borders (numpy's
+    ``reflect``)."""
+    padded = np.pad(image, ((0, 0), (p, p), (p, p)), mode="reflect")
+    _, height, width = image.shape
+    return {
+        (i, j): padded[:, i : i + 2 * p + 1, j : j + 2 * p + 1].reshape(-1)
+        for i in range(height)
+        for j in range(width)
+    }
+
+
+def test_groups_are_the_nearest_patches_of_the_window() -> None:
+    """Every reference's group is itself, then the patches of its window nearest to it, by a
+    brute-force search over explicit patches (a random image: no ties)."""
+    gen = torch.Generator().manual_seed(0)
+    image = torch.rand(2, 23, 31, generator=gen)
+    refs, members = collab.matches(image, 0.1, 8)
+    patches = explicit_patches(image.double().numpy(), collab.PATCH_RADIUS)
+    height, width = image.shape[1:]
+    r = collab.SEARCH_RADIUS
+    assert refs.tolist() == [i * width + j for i in collab.grid(height) for j in collab.grid(width)]
+    for ref, group in zip(refs.tolist(), members.tolist(), strict=True):
+        i, j = divmod(ref, width)
+        window = [
+            (a, b)
+            for a in range(max(0, i - r), min(height, i + r + 1))
+            for b in range(max(0, j - r), min(width, j + r + 1))
+            if (a, b) != (i, j)
+        ]
+        nearest = sorted(window, key=lambda z: np.sum((patches[z] - patches[(i, j)]) ** 2))[:7]
+        assert group[0] == ref
+        assert group[1:] == [a * width + b for a, b in nearest]
+
+
+def test_nothing_shrunk_gives_the_image_back(monkeypatch) -> None:
+    """With a threshold of 0 (hard) or a pilot whose every coefficient dwarfs σ (Wiener), the
+    transforms are orthonormal and the aggregation normalised: the image comes back."""
+    gen = torch.Generator().manual_seed(1)
+    y = torch.rand(1, 29, 34, generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(collab, "THRESHOLD", 0.0)
+    assert torch.allclose(collab.filtered(y, y, 0.1, "hard"), y, atol=1e-12)
+    assert torch.allclose(collab.filtered(y, y, 1e-9, "wiener", pilot=y + 10), y, atol=1e-9)
+
+
+@pytest.mark.parametrize(("height", "width"), [(2, 2), (3, 5), (3, 40)])
+def test_images_smaller_than_a_patch_are_filtered(monkeypatch, height, width) -> None:
+    """Sides under a patch's (edge-repeated where a mirror does not fit): a finite estimate, and the
+    image back with nothing shrunk."""
+    y = torch.rand(1, height, width, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    out = collab.collaborative(y, 0.1)
+    assert out.shape == y.shape and torch.isfinite(out).all()
+    monkeypatch.setattr(collab, "THRESHOLD", 0.0)
+    assert torch.allclose(collab.filtered(y, y, 0.1, "hard"), y, atol=1e-12)
+
+
+def dense_stage(y: np.ndarray, guide: np.ndarray, pilot: np.ndarray, sigma: float, stage: str) -> np.ndarray:
+    """One stage written out group by group in float64 (``y``, ``guide``, ``pilot`` ``(c, H, W)``): the
+    groups of ``collab.matches`` on ``guide``, each member's explicit mirrored patch, the 3-D transform
+    as ``H_K · X · (D ⊗ D)ᵀ``, the stage's shrinkage and weight, and each pixel the weighted mean of its
+    estimates (Kaiser-windowed)."""
+    c, height, width = y.shape
+    p = collab.PATCH_RADIUS
+    n = 2 * p + 1
+    _, members = collab.matches(
+        torch.from_numpy(guide).float(), sigma, collab.GROUP_HARD if stage == "hard" else collab.GROUP_WIENER
+    )
+    k = 1 << (members.shape[1].bit_length() - 1)
+    members = members[:, :k].numpy()
+    d = collab.dct_matrix(n).numpy()
+    t = np.kron(d, d)
+    h = collab.haar_matrix(k).numpy()
+    kaiser = np.kaiser(n, collab.KAISER_BETA)
+    window = np.outer(kaiser, kaiser).reshape(-1)
+    noisy, clean = explicit_patches(y, p), explicit_patches(pilot, p)
+    total = np.zeros((c, height + 2 * p, width + 2 * p))
+    mass = np.zeros((height + 2 * p, width + 2 * p))
+    for group in members:
+        centres = [divmod(int(m), width) for m in group]
+        x = np.stack([noisy[z].reshape(c, n * n) for z in centres])  # (K, c, n²)
+        spectrum = np.einsum("ij,jcq,rq->icr", h, x, t)
+        if stage == "hard":
+            spectrum = spectrum * (np.abs(spectrum) >= collab.THRESHOLD * sigma)
+            weight = 1 / max(np.count_nonzero(spectrum), 1)
+        else:
+            b = np.stack([clean[z].reshape(c, n * n) for z in centres])
+            power = np.einsum("ij,jcq,rq->icr", h, b, t) ** 2
+            shrink = power / (power + sigma**2)
+            spectrum = spectrum * shrink
+            weight = 1 / np.sum(shrink**2)
+        estimate = np.einsum("ji,jcr,rq->icq", h, spectrum, t)
+        for (i, j), patch in zip(centres, estimate, strict=True):
+            total[:, i : i + n, j : j + n] += weight * window.reshape(n, n) * patch.reshape(c, n, n)
+            mass[i : i + n, j : j + n] += weight * window.reshape(n, n)
+    return (total / mass)[:, p : p + height, p : p + width]
+
+
+@pytest.mark.parametrize(("channels", "stage"), [(1, "hard"), (1, "wiener"), (3, "hard"), (3, "wiener")])
+def test_each_stage_is_the_group_by_group_computation(channels, stage) -> None:
+    gen = torch.Generator().manual_seed(2)
+    clean = torch.linspace(0, 1, 26)[None, :, None] * torch.linspace(0.2, 0.8, 21)[None, None, :]
+    clean = clean.expand(channels, -1, -1) + 0.2 * torch.sin(torch.arange(21.0) * 1.3)
+    sigma = 0.08
+    y = clean + sigma * torch.randn(channels, 26, 21, generator=gen)
+    guide = y if stage == "hard" else collab.filtered(y, y, sigma, "hard")
+    ours = collab.filtered(y, guide, sigma, stage)
+    dense = dense_stage(y.double().numpy(), guide.double().numpy(), guide.double().numpy(), sigma, stage)
+    assert np.allclose(ours.numpy(), dense, atol=2e-5)
+
+
+def stripes(height: int, width: int) -> torch.Tensor:
+    """A clean grey image ``(1, H, W)`` like Barbara's cloth: diagonal stripes of period 6 whose
+    contrast swells and fades down the image, over a fainter crossing pattern of period 9."""
+    i, j = torch.meshgrid(torch.arange(height).float(), torch.arange(width).float(), indexing="ij")
+    contrast = 0.15 + 0.15 * torch.sin(2 * math.pi * i / 37)
+    stripe = contrast * torch.sin(2 * math.pi * (i + 2 * j) / 6)
+    return (0.5 + stripe + 0.1 * torch.cos(2 * math.pi * (j - i) / 9))[None]
+
+
+def psnr(x: torch.Tensor, clean: torch.Tensor) -> float:
+    return float(-10 * torch.log10((x.clamp(0, 1) - clean).square().mean()))
+
+
+def test_repeated_texture_is_kept_where_a_mean_of_matches_loses_it() -> None:
+    """Stripes at σ = 25 whose contrast varies: the filter restores them better than the non-local mean
+    of the same window and patches (``GuidedOperator.nonlocal_mean`` guided by ``y``, its bandwidth the
+    best of five) by more than 1 dB, and its second stage improves on its first (by ~1 dB here)."""
+    clean = stripes(64, 72)
+    sigma = 25 / 255
+    y = clean + sigma * torch.randn(clean.shape, generator=torch.Generator().manual_seed(3))
+    basic = collab.filtered(y, y, sigma, "hard")
+    both = collab.collaborative(y, sigma)
+    taps = torch.ones(2 * collab.SEARCH_RADIUS + 1, 2 * collab.SEARCH_RADIUS + 1)
+    n2 = (2 * collab.PATCH_RADIUS + 1) ** 2
+    means = []
+    for scale in (0.1, 0.25, 0.5, 1.0, 2.0):
+        op = GuidedOperator(y[None], taps, collab.PATCH_RADIUS, torch.tensor([scale * n2 * sigma**2]), True)
+        means.append(psnr(op.nonlocal_mean(y[None], 1, patches=True)[0][0], clean))
+    assert psnr(both, clean) > max(psnr(basic, clean) + 0.5, max(means) + 1.0)
+
+
+def test_a_crop_on_the_grid_is_exact_beyond_the_reach() -> None:
+    """A crop whose origin is on the reference grid (a multiple of ``WINDOW_ALIGN``, as a tile's window
+    is) estimates its pixels ``REACH`` in from its borders as the whole image does; a crop off the grid
+    does not."""
+    gen = torch.Generator().manual_seed(4)
+    clean = stripes(140, 150)
+    y = clean + 0.1 * torch.randn(clean.shape, generator=gen)
+    whole = collab.collaborative(y, 0.1)
+    reach = collab.REACH
+    assert WINDOW_ALIGN % collab.STEP == 0
+    for top, left in [(WINDOW_ALIGN, 2 * WINDOW_ALIGN), (0, WINDOW_ALIGN)]:
+        crop = collab.collaborative(y[:, top : top + 100, left : left + 110], 0.1)
+        inner = (slice(None), slice(reach, 100 - reach), slice(reach, 110 - reach))
+        expected = whole[:, top : top + 100, left : left + 110][inner]
+        assert torch.allclose(crop[inner], expected, atol=1e-5)
+    off = collab.collaborative(y[:, 1:101, 2:112], 0.1)
+    assert not torch.allclose(
+        off[:, reach:-reach, reach:-reach], whole[:, 1:101, 2:112][:, reach:-reach, reach:-reach], atol=1e-3
+    )
+
+
+def test_a_padded_batch_gives_each_image_its_own_estimate() -> None:
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.rand(1, 30, 40, generator=gen), torch.rand(1, 24, 33, generator=gen)
+    batch = torch.zeros(2, 1, 30, 40)
+    batch[0], batch[1, :, :24, :33] = a, b
+    sigma = torch.tensor([0.0625, 0.25])
+    out = collab.each_collaborative(batch, sigma, [(30, 40), (24, 33)])
+    assert torch.equal(out[0], collab.collaborative(a, 0.0625))
+    assert torch.equal(out[1, :, :24, :33], collab.collaborative(b, 0.25))
+    assert not out[1, :, 24:].any() and not out[1, :, :, 33:].any()
+
+
+def test_the_spread_alone_is_the_nonlocal_means() -> None:
+    gen = torch.Generator().manual_seed(6)
+    guide, v = torch.rand(2, 1, 20, 27, generator=gen), torch.rand(2, 1, 20, 27, generator=gen)
+    taps = torch.ones(7, 7)
+    op = GuidedOperator(guide, taps, 1, torch.tensor([0.05, 0.1]), True)
+    for patches in (False, True):
+        assert torch.equal(op.match_spread(v, 3), op.nonlocal_mean(v, 3, patches=patches)[1])
+
+
+def test_the_estimate_option_is_written_only_when_set() -> None:
+    assert "estimate" not in Refine().model_dump()
+    chosen = Refine(estimate="collaborative")
+    assert chosen.model_dump()["estimate"] == "collaborative"
+    assert Refine.model_validate(chosen.model_dump()) == chosen
+    with pytest.raises(ValueError):
+        Refine(estimate="bm3d")
+
+
+def test_the_refinement_reads_the_filter_for_grey_images_and_the_mean_for_colour(monkeypatch) -> None:
+    """``refined_pilot`` with ``estimate = "collaborative"`` hands ``H_φ`` (here a stand-in that records
+    its ``ν``) the filter's estimate for a grey image and the non-local mean for a colour one."""
+    from kdeq import refine as R
+
+    seen = {}
+
+    def fake_refined(y, p, nu, spread, sigma, tensors, refine):
+        seen[y.shape[1]] = nu
+        return p
+
+    monkeypatch.setattr(R, "_refined", fake_refined)
+    gen = torch.Generator().manual_seed(7)
+    cfg = Refine(estimate="collaborative", aggregate="patch", colour_channels=4)
+    for channels in (1, 3):
+        y = torch.rand(1, channels, 24, 30, generator=gen)
+        op = GuidedOperator(y, torch.ones(5, 5), 1, torch.tensor([0.05]), True)
+        R.refined_pilot(op, y, y, torch.tensor([0.1]), {}, cfg)
+        if channels == 1:
+            assert torch.equal(seen[1], collab.each_collaborative(y, torch.tensor([0.1])))
+        else:
+            assert torch.equal(seen[3], op.nonlocal_mean(y, cfg.sharpness, patches=True)[0])
+
+
+def test_the_shipped_collaborative_model_is_x8_with_the_filter() -> None:
+    """``denoise-kglm-collab:1`` is ``denoise-kglm-x8:1`` whose grey refinement reads the filter: the
+    same kernel, λ, mean, solver and guide network bit for bit; only the refinement ``H_φ`` and ``β``
+    were trained again (docs/training.md)."""
+    root = default_models_dir()
+    if not (root / "denoise-kglm-collab").is_dir():
+        pytest.skip(f"no denoise-kglm-collab in {root}")
+    x8 = load_checkpoint(root / "denoise-kglm-x8" / "1")
+    model = load_checkpoint(root / "denoise-kglm-collab" / "1")
+    refine = model.config.architecture.net.refine
+    assert refine.estimate == "collaborative"
+    net = model.config.architecture.net.model_copy(
+        update={"refine": refine.model_copy(update={"estimate": "nonlocal"})}
+    )
+    assert model.config.architecture.model_copy(update={"net": net}) == x8.config.architecture
+    assert_refinement_alone_retrained(model, x8)
