@@ -182,10 +182,10 @@ def filtered(
     k = 1 << (k.bit_length() - 1)  # a power of two for the Haar transform
     members = members[:, :k]
     dct = dct_matrix(n)
-    transform = torch.kron(dct, dct).to(y.dtype)  # (n², n²) on a patch flattened row by row
-    stack = haar_matrix(k).to(y.dtype)
+    transform = torch.kron(dct, dct).to(y.device, y.dtype)  # (n², n²) on a patch flattened row by row
+    stack = haar_matrix(k).to(y.device, y.dtype)
     window = torch.kaiser_window(n, periodic=False, beta=KAISER_BETA, dtype=torch.float64)
-    window = torch.outer(window, window).reshape(-1).to(y.dtype)
+    window = torch.outer(window, window).reshape(-1).to(y.device, y.dtype)
     wide = width + 2 * p
 
     def canvas(image: torch.Tensor) -> torch.Tensor:
