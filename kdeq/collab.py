@@ -48,6 +48,8 @@ THRESHOLD = 2.7
 KAISER_BETA = 2.0
 #: reference patches filtered at a time: a 512² image's groups are ~23 M values at once otherwise
 CHUNK = 4096
+#: offsets whose patch distances are held at once while matching (of the window's 113)
+OFFSETS_AT_ONCE = 16
 #: the estimate at a pixel reads ``y`` within this many pixels (given the reference grid): a stage's
 #: estimate of ``q`` comes from every group member covering it (within ``p``), each group's reference
 #: (within ``R`` of its members) and the reference's other members and matching candidates (``R``
@@ -110,7 +112,6 @@ def matches(guide: torch.Tensor, sigma: float, group: int) -> tuple[torch.Tensor
     # distances reach ~2·n²·c·σ² between noisy patches; h² of 8 times that keeps every weight far
     # from the cut at e^-60, so that the weights rank the distances
     h2 = torch.tensor([16.0 * n * n * c * max(sigma, 1 / 255) ** 2], dtype=guide.dtype, device=guide.device)
-    weights = guided_weights(guide[None], taps, PATCH_RADIUS, h2)[0].reshape(len(offsets), -1)
     ys, xs = grid(height).to(guide.device), grid(width).to(guide.device)
     ry, rx = ys[:, None].expand(-1, len(xs)).reshape(-1), xs[None, :].expand(len(ys), -1).reshape(-1)
     refs = ry * width + rx
@@ -121,31 +122,41 @@ def matches(guide: torch.Tensor, sigma: float, group: int) -> tuple[torch.Tensor
 
     # the fewest candidates any reference has (a corner's), itself included
     group = min(group, int(inside(ys, height).min() * inside(xs, width).min()))
-    a = torch.tensor([o[0] for o in offsets], device=guide.device)
-    b = torch.tensor([o[1] for o in offsets], device=guide.device)
-    rows = torch.arange(len(offsets), device=guide.device)[None, :]
-    members = []
-    # a chunk of references at a time: their candidates' indices are int64, 2·O per reference
-    for start in range(0, refs.numel(), CHUNK):
-        cy, cx, here = ry[start : start + CHUNK], rx[start : start + CHUNK], refs[start : start + CHUNK]
-        # w_o(x) pairs x with x + o: a reference r meets r + o in w_o(r), and r − o in w_o(r − o)
-        ty, tx = cy[:, None] + a, cx[:, None] + b
-        sy, sx = cy[:, None] - a, cx[:, None] - b
-        ahead = (ty >= 0) & (ty < height) & (tx >= 0) & (tx < width)
-        behind = (sy >= 0) & (sy < height) & (sx >= 0) & (sx < width) & ((a != 0) | (b != 0))
-        forward = (ty * width + tx).clamp(0, height * width - 1)
-        backward = (sy * width + sx).clamp(0, height * width - 1)
-        scores = torch.cat(
-            [
-                torch.where(ahead, weights[rows, here[:, None].expand_as(forward)], -1.0),
-                torch.where(behind, weights[rows, backward], -1.0),
-            ],
-            dim=1,
-        )
-        scores[:, 0] = 2.0  # the reference first, whatever ties at weight 1
-        best = scores.topk(group, dim=1).indices
-        members.append(torch.cat([forward, backward], dim=1).gather(1, best))
-    return refs, torch.cat(members)
+    # the best so far of each reference: below every candidate's score (an outside one's is −1)
+    scores = guide.new_full((refs.numel(), group), -2.0)
+    members = torch.zeros(refs.numel(), group, dtype=torch.long, device=guide.device)
+    # a part of the offsets at a time: their weight maps, not the window's 113, are what a tile keeps
+    for first in range(0, len(offsets), OFFSETS_AT_ONCE):
+        part = offsets[first : first + OFFSETS_AT_ONCE]
+        weights = guided_weights(guide[None], taps, PATCH_RADIUS, h2, offsets=part)[0].reshape(len(part), -1)
+        a = torch.tensor([o[0] for o in part], device=guide.device)
+        b = torch.tensor([o[1] for o in part], device=guide.device)
+        rows = torch.arange(len(part), device=guide.device)[None, :]
+        # a chunk of references at a time: their candidates' indices are int64, 2 per offset
+        for start in range(0, refs.numel(), CHUNK):
+            cy, cx, here = ry[start : start + CHUNK], rx[start : start + CHUNK], refs[start : start + CHUNK]
+            # w_o(x) pairs x with x + o: a reference r meets r + o in w_o(r), and r − o in w_o(r − o)
+            ty, tx = cy[:, None] + a, cx[:, None] + b
+            sy, sx = cy[:, None] - a, cx[:, None] - b
+            ahead = (ty >= 0) & (ty < height) & (tx >= 0) & (tx < width)
+            behind = (sy >= 0) & (sy < height) & (sx >= 0) & (sx < width) & ((a != 0) | (b != 0))
+            forward = (ty * width + tx).clamp(0, height * width - 1)
+            backward = (sy * width + sx).clamp(0, height * width - 1)
+            found = torch.cat(
+                [
+                    torch.where(ahead, weights[rows, here[:, None].expand_as(forward)], -1.0),
+                    torch.where(behind, weights[rows, backward], -1.0),
+                ],
+                dim=1,
+            )
+            if first == 0:
+                found[:, 0] = 2.0  # the reference first (offset (0, 0)), whatever ties at weight 1
+            kept = slice(start, start + CHUNK)
+            both = torch.cat([scores[kept], found], dim=1)
+            best = both.topk(group, dim=1)
+            scores[kept] = best.values
+            members[kept] = torch.cat([members[kept], forward, backward], dim=1).gather(1, best.indices)
+    return refs, members
 
 
 def collaborative(y: torch.Tensor, sigma: float) -> torch.Tensor:
