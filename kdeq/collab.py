@@ -179,12 +179,9 @@ def each_collaborative(y: torch.Tensor, sigma: torch.Tensor, sizes: Sizes | None
     return out
 
 
-def filtered(
-    y: torch.Tensor, guide: torch.Tensor, sigma: float, stage: str, pilot: torch.Tensor | None = None
-) -> torch.Tensor:
+def filtered(y: torch.Tensor, guide: torch.Tensor, sigma: float, stage: str) -> torch.Tensor:
     """One stage's estimate ``(c, H, W)`` from ``y`` ``(c, H, W)``: groups matched on ``guide`` (``y``
-    itself for ``hard``; the first stage's estimate for ``wiener``), the Wiener filter's spectra from
-    ``pilot`` (default ``guide``)."""
+    itself for ``hard``; the first stage's estimate, also the Wiener filter's pilot, for ``wiener``)."""
     c, height, width = y.shape
     p, n = PATCH_RADIUS, 2 * PATCH_RADIUS + 1
     group = GROUP_HARD if stage == "hard" else GROUP_WIENER
@@ -204,7 +201,7 @@ def filtered(
         return mirror_pad(image[None], p)[0].reshape(c, -1)
 
     noisy = canvas(y)
-    pilot = None if stage == "hard" else canvas(guide if pilot is None else pilot)
+    pilot = None if stage == "hard" else canvas(guide)
     # a patch centred at (i, j) covers the padded canvas's (i + p + di, j + p + dj), |di|, |dj| ≤ p
     centre = (torch.arange(height)[:, None] + p) * wide + (torch.arange(width)[None, :] + p)
     centre = centre.reshape(-1).to(y.device)
