@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kdeq import collab
+from kdeq import collab, sure
 from kdeq.adaptive import GuidedMap, GuidedOperator, weight_budget
 from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
@@ -247,20 +247,48 @@ class Denoiser(Predictor):
     ) -> tuple[KGLMDEQ, torch.Tensor | None, torch.Tensor | None]:
         """The guided layer, its mean ``m`` and the guide network's pilot ``p`` (``None`` without one),
         each ``(B, c, H, W)``; with a non-local refinement (``kdeq.refine``) a grey image's ``p'`` takes
-        ``p``'s place in ``m``, and a colour image's with the refinement's colour network."""
+        ``p``'s place in ``m``, and a colour image's with the refinement's colour network; with
+        ``Refine.blend = "sure"`` a grey image's ``p'`` first moves toward the refinement's estimate ``ν``
+        by SURE's weight, ``p' + b·(ν − p')`` (``kdeq.sure``)."""
         local = self.config.mean == "local"
+        refine = self.config.architecture.net.refine if self.config.architecture.net else None
+        blend = refine is not None and refine.blend == "sure" and x.shape[1] == 1
+        # probed before the image's own operator is built, so that the two are never held at once
+        probe = self._probed_gap(x, s, sizes, level) if blend else None
         op, pilot_image = self.guided_operator(x, s, sizes, level, mean_of=x if local else None)
         # a local mean keeps the padding's 0: it has no kernel mass (d = 0)
         mean = op.local_mean if local else self._mean(x, valid, sizes, level)
         if pilot_image is not None:
-            refine = self.config.architecture.net.refine
             p = pilot_image
             # a colour image only with a colour network: its kernel compares colour patches, whose
             # matches H_φ, trained on grey images, misreads (0.02-0.04 dB lost on unseen colour
             # scenes, BENCHMARKS)
             if refine is not None and refines(refine, x.shape[1]):
-                p = refined_pilot(op, x, pilot_image, s, self.tensors, refine, sizes)
+                p, nu = refined_pilot(op, x, pilot_image, s, self.tensors, refine, sizes)
+                if probe is not None:
+                    delta, step, probed_gap = probe
+                    gap = (nu - p).detach()
+                    div = sure.divergence(delta, gap, probed_gap, step, sizes)
+                    b = sure.blend_weight(x, p.detach(), gap, div, s, sizes)
+                    p = p + b.reshape(-1, 1, 1, 1) * (nu - p)
             beta = self.tensors["net_mean_mix"]
             mean = beta * p + (0.0 if mean is None else (1 - beta) * mean)
         layer = self.kglm_layer(Gaussian(), lam, lambda _, s: GuidedMap(op, s), tied=True)
         return layer, mean, pilot_image
+
+    def _probed_gap(
+        self, x: torch.Tensor, s: torch.Tensor, sizes: Sizes | None, level: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For SURE's weight (``Refine.blend = "sure"``, ``kdeq.sure``) of grey images ``x``
+        ``(B, 1, H, W)`` at noise levels ``s`` ``(B,)``: the probe ``δ`` ``(B, 1, H, W)``, its step ``ε``
+        ``(B,)`` and the gap ``ν − p'`` ``(B, 1, H, W)`` of the whole refinement (guide network, kernel,
+        estimate, ``H_φ``) run on ``x + εδ``. Not differentiated: the weight is a constant to the
+        training."""
+        with torch.no_grad():
+            delta = sure.probe(x, sizes)
+            step = s * sure.STEP
+            probed = x + step.to(x.dtype).reshape(-1, 1, 1, 1) * delta
+            op, pilot_image = self.guided_operator(probed, s, sizes, level)
+            refine = self.config.architecture.net.refine
+            p, nu = refined_pilot(op, probed, pilot_image, s, self.tensors, refine, sizes)
+            return delta, step, nu - p

@@ -106,7 +106,11 @@ class Refine(BaseModel):
     layers; tensors ``net_refine_colour_<i>_*``. ``None``, the default, is left out of the written
     config. ``estimate`` is what a grey image's ``ν`` is: the kernel's non-local mean (``nonlocal``,
     the default, left out of the written config) or the collaborative filter of its matched patches
-    (``collaborative``, ``kdeq.collab``); a colour image's ``ν`` is the non-local mean either way."""
+    (``collaborative``, ``kdeq.collab``); a colour image's ``ν`` is the non-local mean either way.
+    ``blend`` (``collaborative`` only) is what follows for a grey image: ``p'`` as it is (``none``, the
+    default, left out of the written config), or ``p' + b·(ν − p')`` with each image's ``b ∈ [0, 1]``
+    least in Stein's unbiased risk estimate (``sure``, ``kdeq.sure``: the refinement then runs twice,
+    once on a probe of the image)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -116,6 +120,13 @@ class Refine(BaseModel):
     aggregate: Literal["pixel", "patch"] = "pixel"
     colour_channels: int | None = Field(None, ge=4, le=128)
     estimate: Literal["nonlocal", "collaborative"] = "nonlocal"
+    blend: Literal["none", "sure"] = "none"
+
+    @model_validator(mode="after")
+    def _blend_is_collaborative(self) -> Refine:
+        if self.blend != "none" and self.estimate != "collaborative":
+            raise ValueError(f"blend {self.blend!r} is the collaborative estimate's, not {self.estimate!r}'s")
+        return self
 
     @model_serializer(mode="wrap")
     def _omit_defaults(self, handler: SerializerFunctionWrapHandler) -> dict:
@@ -128,6 +139,8 @@ class Refine(BaseModel):
             data.pop("colour_channels", None)
         if self.estimate == "nonlocal":
             data.pop("estimate", None)
+        if self.blend == "none":
+            data.pop("blend", None)
         return data
 
 

@@ -53,11 +53,12 @@ def refined_pilot(
     tensors: dict[str, torch.Tensor],
     refine: Refine,
     sizes: Sizes | None = None,
-) -> torch.Tensor:
-    """``p'`` ``(B, c, H, W)`` for images ``y`` and their pilot ``p`` ``(B, c, H, W)`` at noise levels ``σ``
-    ``(B,)`` in [0, 1] units, ``op`` the guided kernel of ``p``: grey (``c = 1``, ``H_φ``) or, with
-    ``refine.colour_channels``, colour (``c = 3``, ``H_φ^c``); ``sizes`` each image's ``(h, w)`` in a
-    padded batch (the network then runs on each image alone, as it would unbatched)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``p'`` and the estimate ``ν`` it read, each ``(B, c, H, W)``, for images ``y`` and their pilot ``p``
+    ``(B, c, H, W)`` at noise levels ``σ`` ``(B,)`` in [0, 1] units, ``op`` the guided kernel of ``p``:
+    grey (``c = 1``, ``H_φ``) or, with ``refine.colour_channels``, colour (``c = 3``, ``H_φ^c``);
+    ``sizes`` each image's ``(h, w)`` in a padded batch (the network then runs on each image alone, as
+    it would unbatched)."""
     if not refines(refine, y.shape[1]):
         raise ValueError(
             f"the non-local refinement is for grey images, or colour ones with a colour network; got "
@@ -68,12 +69,12 @@ def refined_pilot(
     else:
         nu, spread = op.nonlocal_mean(y, refine.sharpness, patches=refine.aggregate == "patch")
     if sizes is None:
-        return _refined(y, p, nu, spread, sigma, tensors, refine)
+        return _refined(y, p, nu, spread, sigma, tensors, refine), nu
     out = p.clone()
     for k, (h, w) in enumerate(sizes):
         crop = (slice(k, k + 1), slice(None), slice(0, h), slice(0, w))
         out[crop] = _refined(y[crop], p[crop], nu[crop], spread[crop], sigma[k : k + 1], tensors, refine)
-    return out
+    return out, nu
 
 
 def _refined(

@@ -54,6 +54,7 @@ def test_repository_lists_the_shipped_models() -> None:
         ("denoise-kglm", 7, None),  # 6 with the non-local refinement, trained in two runs
         ("denoise-kglm", 8, None),  # 7 with matches aggregated by patch and colour refined, three runs
         ("denoise-kglm-collab", 1, None),  # x8 with the collaborative filter in its grey refinement
+        ("denoise-kglm-collab", 2, None),  # 1 blending toward the filter by SURE's weight, no training
         ("denoise-kglm-x8", 1, None),  # denoise-kglm:8 averaged over the square's 8 symmetries
         ("denoise-poisson-kglm", 1, None),  # closed form (kdeq init --defaults)
         ("denoise-poisson-kglm", 2, None),  # denoise-kglm:2's network, trained by kdeq train

@@ -222,7 +222,7 @@ def test_the_refined_pilot_matches_an_independent_network(aggregate, channels) -
     y, p = torch.rand(2, channels, 12, 14, generator=gen), torch.rand(2, channels, 12, 14, generator=gen)
     sigma = torch.tensor([0.05, 0.2])
     op = GuidedOperator(p, SPATIAL.spatial.filter(), 1, torch.tensor([0.3, 0.6]), True)
-    got = refined_pilot(op, y, p, sigma, t, refine)
+    got = refined_pilot(op, y, p, sigma, t, refine)[0]
     assert torch.allclose(got, reference_refined(op, y, p, sigma, t, refine), rtol=1e-5, atol=1e-5)
     assert (got - p).abs().amax() > 1e-3  # a network that moves the pilot
     # a padded batch: each image refined as it would be alone
@@ -231,9 +231,9 @@ def test_the_refined_pilot_matches_an_independent_network(aggregate, channels) -
     pilots[0, :, :9, :10], pilots[1] = p[0, :, :9, :10], p[1]
     sizes = [(9, 10), (12, 14)]
     op = GuidedOperator(pilots, SPATIAL.spatial.filter(), 1, torch.tensor([0.3, 0.6]), True, sizes=sizes)
-    padded = refined_pilot(op, batch, pilots, sigma, t, refine, sizes)
+    padded = refined_pilot(op, batch, pilots, sigma, t, refine, sizes)[0]
     alone = GuidedOperator(pilots[:1, :, :9, :10], SPATIAL.spatial.filter(), 1, torch.tensor([0.3]), True)
-    first = refined_pilot(alone, batch[:1, :, :9, :10], pilots[:1, :, :9, :10], sigma[:1], t, refine)
+    first = refined_pilot(alone, batch[:1, :, :9, :10], pilots[:1, :, :9, :10], sigma[:1], t, refine)[0]
     assert torch.allclose(padded[:1, :, :9, :10], first, atol=1e-6)
     assert torch.equal(padded[0, :, 9:], pilots[0, :, 9:])
     if channels == 1:  # colour needs the colour network

@@ -201,9 +201,9 @@ def test_the_ensemble_denoiser_tiled_matches_the_untiled_solve_on_odd_sides() ->
 
 @pytest.mark.usefixtures("guided_backend")
 def test_the_collaborative_denoiser_reads_a_grey_image_within_its_reach() -> None:
-    """``denoise-kglm-collab`` filters a grey image collaboratively (``kdeq.collab``) for its mean: the
+    """``denoise-kglm-collab:1`` filters a grey image collaboratively (``kdeq.collab``) for its mean: the
     filter reads up to ``collab.REACH`` pixels away, within the model's reach."""
-    model = shipped("denoise-kglm-collab")
+    model = shipped("denoise-kglm-collab", 1)
     rho = model.reach
     assert rho >= collab.REACH + 2 * model.config.architecture.net.refine.depth + 1
     y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=False))[None]
@@ -214,11 +214,29 @@ def test_the_collaborative_denoiser_reads_a_grey_image_within_its_reach() -> Non
 def test_the_collaborative_denoiser_tiled_matches_the_untiled_solve() -> None:
     """Its tiles' windows start on multiples of ``WINDOW_ALIGN``, on the filter's reference grid: tiled
     matches untiled on a grey image, odd sides included."""
-    model = shipped("denoise-kglm-collab")
+    model = shipped("denoise-kglm-collab", 1)
     image = noisy(97, 133, False, seed=2)
     whole = solve(model, image, 25.0, tol=1e-6)
     cut = solve(model, image, 25.0, tol=1e-6, size=64)
     assert np.abs(cut.output - whole.output).max() < 1e-3
+
+
+def test_the_blended_collaborative_denoiser_tiled_blends_each_tile_by_its_own_weight() -> None:
+    """``denoise-kglm-collab:2`` moves toward the filter by one weight per image (``kdeq.sure``), so a
+    tile blends by its own: not the whole image's equations, but within 0.01 dB of the untiled PSNR on
+    a piecewise-smooth image and on stripes (where the blend is worth ~5 dB over version 1)."""
+    from tests.test_collab import stripes
+
+    model = shipped("denoise-kglm-collab", 2)
+    piecewise = noisy(150, 206, False, sigma=0.0)
+    texture = stripes(150, 206).numpy()
+    gen = np.random.default_rng(2)
+    for clean in (piecewise, texture):
+        image = clean + (25 / 255 * gen.standard_normal(clean.shape)).astype(np.float32)
+        whole = solve(model, image, 25.0, tol=1e-6)
+        cut = solve(model, image, 25.0, tol=1e-6, size=96)
+        psnr = [-10 * np.log10(((r.output.clip(0, 1) - clean) ** 2).mean()) for r in (whole, cut)]
+        assert abs(psnr[1] - psnr[0]) < 0.01
 
 
 @pytest.mark.parametrize("sigma", [5.0, 20.0, 50.0])
