@@ -34,8 +34,9 @@ import torch
 from kdeq.adaptive import Sizes, guided_weights, half_offsets
 from kdeq.filters import mirror_pad
 
-#: patches of ``2·PATCH_RADIUS + 1`` pixels a side, matched in a window of ``2·SEARCH_RADIUS + 1``,
-#: reference patches every ``STEP`` pixels (and on the last row and column)
+#: patches of ``2·PATCH_RADIUS + 1`` pixels a side, matched in a window of ``2·R + 1`` (``R`` the
+#: search radius, by default ``SEARCH_RADIUS``), reference patches every ``STEP`` pixels (and on the
+#: last row and column)
 PATCH_RADIUS = 3
 SEARCH_RADIUS = 7
 STEP = 3
@@ -48,13 +49,17 @@ THRESHOLD = 2.7
 KAISER_BETA = 2.0
 #: reference patches filtered at a time: a 512² image's groups are ~23 M values at once otherwise
 CHUNK = 4096
-#: offsets whose patch distances are held at once while matching (of the window's 113)
+#: offsets whose patch distances are held at once while matching (of the window's ``((2R + 1)² − 1)/2``)
 OFFSETS_AT_ONCE = 16
-#: the estimate at a pixel reads ``y`` within this many pixels (given the reference grid): a stage's
-#: estimate of ``q`` comes from every group member covering it (within ``p``), each group's reference
-#: (within ``R`` of its members) and the reference's other members and matching candidates (``R``
-#: further, and their pixels ``p``); the second stage reads the first's estimate as far
-REACH = 2 * (2 * SEARCH_RADIUS + 2 * PATCH_RADIUS)
+
+
+def reach(radius: int = SEARCH_RADIUS) -> int:
+    """How far from a pixel its estimate reads ``y`` (given the reference grid) with search radius ``R``
+    = ``radius``: a stage's estimate of ``q`` comes from every group member covering it (within ``p``),
+    each group's reference (within ``R`` of its members) and the reference's other members and
+    matching candidates (``R`` further, and their pixels ``p``); the second stage reads the first's
+    estimate as far: ``2·(2R + 2p)``."""
+    return 2 * (2 * radius + 2 * PATCH_RADIUS)
 
 
 def dct_matrix(n: int) -> torch.Tensor:
@@ -99,16 +104,18 @@ def grid(length: int) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def matches(guide: torch.Tensor, sigma: float, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def matches(
+    guide: torch.Tensor, sigma: float, group: int, radius: int = SEARCH_RADIUS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For ``guide`` ``(c, H, W)``: the reference pixels ``(G,)`` (flat indices, on the grid) and their
-    groups ``(G, K)``: the flat indices of the centres of the ``K = group`` patches of the window
-    nearest to each reference's in ``guide`` (Euclidean distance over the ``n × n × c`` patch), the
-    reference itself first. ``sigma`` (in [0, 1] units) sets the scale of the weights the distances
-    are read from (``guided_weights`` with flat taps), not the ranking."""
+    groups ``(G, K)``: the flat indices of the centres of the ``K = group`` patches of the
+    ``(2·radius + 1)²`` window nearest to each reference's in ``guide`` (Euclidean distance over the
+    ``n × n × c`` patch), the reference itself first. ``sigma`` (in [0, 1] units) sets the scale of
+    the weights the distances are read from (``guided_weights`` with flat taps), not the ranking."""
     c, height, width = guide.shape
     n = 2 * PATCH_RADIUS + 1
-    offsets = half_offsets(SEARCH_RADIUS)
-    taps = torch.ones(2 * SEARCH_RADIUS + 1, 2 * SEARCH_RADIUS + 1, dtype=guide.dtype, device=guide.device)
+    offsets = half_offsets(radius)
+    taps = torch.ones(2 * radius + 1, 2 * radius + 1, dtype=guide.dtype, device=guide.device)
     # distances reach ~2·n²·c·σ² between noisy patches; h² of 8 times that keeps every weight far
     # from the cut at e^-60, so that the weights rank the distances
     h2 = torch.tensor([16.0 * n * n * c * max(sigma, 1 / 255) ** 2], dtype=guide.dtype, device=guide.device)
@@ -118,7 +125,7 @@ def matches(guide: torch.Tensor, sigma: float, group: int) -> tuple[torch.Tensor
 
     def inside(v: torch.Tensor, length: int) -> torch.Tensor:
         """How many of the window's rows (columns) at each position ``v`` lie in the image."""
-        return (v + SEARCH_RADIUS).clamp(max=length - 1) - (v - SEARCH_RADIUS).clamp(min=0) + 1
+        return (v + radius).clamp(max=length - 1) - (v - radius).clamp(min=0) + 1
 
     # the fewest candidates any reference has (a corner's), itself included
     group = min(group, int(inside(ys, height).min() * inside(xs, width).min()))
@@ -159,15 +166,17 @@ def matches(guide: torch.Tensor, sigma: float, group: int) -> tuple[torch.Tensor
     return refs, members
 
 
-def collaborative(y: torch.Tensor, sigma: float) -> torch.Tensor:
+def collaborative(y: torch.Tensor, sigma: float, radius: int = SEARCH_RADIUS) -> torch.Tensor:
     """Both stages' estimate ``(c, H, W)`` of the clean image from ``y`` ``(c, H, W)`` with white noise
-    of std ``sigma`` (in [0, 1] units): the hard-threshold stage on ``y``, then the Wiener stage
-    guided by it (the module docstring)."""
-    basic = filtered(y, y, sigma, "hard")
-    return filtered(y, basic, sigma, "wiener")
+    of std ``sigma`` (in [0, 1] units), patches matched within ``radius``: the hard-threshold stage on
+    ``y``, then the Wiener stage guided by it (the module docstring)."""
+    basic = filtered(y, y, sigma, "hard", radius)
+    return filtered(y, basic, sigma, "wiener", radius)
 
 
-def each_collaborative(y: torch.Tensor, sigma: torch.Tensor, sizes: Sizes | None = None) -> torch.Tensor:
+def each_collaborative(
+    y: torch.Tensor, sigma: torch.Tensor, sizes: Sizes | None = None, radius: int = SEARCH_RADIUS
+) -> torch.Tensor:
     """``collaborative`` of each image of ``y`` ``(B, c, H, W)`` at its noise level ``σ`` ``(B,)`` (in
     [0, 1] units), each alone: its own ``(h, w)`` of ``sizes`` in a padded batch (the padding stays 0).
     Not differentiated."""
@@ -175,17 +184,20 @@ def each_collaborative(y: torch.Tensor, sigma: torch.Tensor, sizes: Sizes | None
     with torch.no_grad():
         for k in range(y.shape[0]):
             h, w = y.shape[-2:] if sizes is None else sizes[k]
-            out[k, :, :h, :w] = collaborative(y[k, :, :h, :w], float(sigma[k]))
+            out[k, :, :h, :w] = collaborative(y[k, :, :h, :w], float(sigma[k]), radius)
     return out
 
 
-def filtered(y: torch.Tensor, guide: torch.Tensor, sigma: float, stage: str) -> torch.Tensor:
-    """One stage's estimate ``(c, H, W)`` from ``y`` ``(c, H, W)``: groups matched on ``guide`` (``y``
-    itself for ``hard``; the first stage's estimate, also the Wiener filter's pilot, for ``wiener``)."""
+def filtered(
+    y: torch.Tensor, guide: torch.Tensor, sigma: float, stage: str, radius: int = SEARCH_RADIUS
+) -> torch.Tensor:
+    """One stage's estimate ``(c, H, W)`` from ``y`` ``(c, H, W)``: groups matched within ``radius`` on
+    ``guide`` (``y`` itself for ``hard``; the first stage's estimate, also the Wiener filter's pilot,
+    for ``wiener``)."""
     c, height, width = y.shape
     p, n = PATCH_RADIUS, 2 * PATCH_RADIUS + 1
     group = GROUP_HARD if stage == "hard" else GROUP_WIENER
-    refs, members = matches(guide, sigma, group)
+    refs, members = matches(guide, sigma, group, radius)
     k = members.shape[1]
     k = 1 << (k.bit_length() - 1)  # a power of two for the Haar transform
     members = members[:, :k]

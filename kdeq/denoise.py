@@ -63,7 +63,7 @@ class Denoiser(Predictor):
         pre-smoothing its radius; a weight ``w(x, x + o)``, ``|o|∞ ≤ R``, reads the guide's patches
         (radius ``p``) at both ends, and the normalisation ``d(x + o)`` another ``R``; a refined pilot
         ``p'`` (``kdeq.refine``) the non-local mean within its network's reach (a patch-aggregated mean
-        reads ``p + R`` further), or the collaborative filter (``kdeq.collab.REACH``) and the matches'
+        reads ``p + R`` further), or the collaborative filter (``kdeq.collab.reach``) and the matches'
         spread. Stationary: the kernel's radius. Either: at least a normalised-convolution mean's
         radius."""
         arch = self.config.architecture
@@ -84,7 +84,7 @@ class Denoiser(Predictor):
                 rows = max(rows, guide + reads + 2 * refine.depth + 1)
                 if refine.estimate == "collaborative":
                     # the filter reads y alone, no guide: its reach, then H_φ's
-                    rows = max(rows, collab.REACH + 2 * refine.depth + 1)
+                    rows = max(rows, collab.reach(refine.search_radius) + 2 * refine.depth + 1)
             return max(rows, mean)
         return max(self.tensors["w1"].shape[-1] // 2, mean)
 

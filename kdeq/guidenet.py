@@ -89,7 +89,7 @@ from pydantic import (
     model_validator,
 )
 
-from kdeq import netprecision
+from kdeq import collab, netprecision
 
 
 class Refine(BaseModel):
@@ -107,7 +107,9 @@ class Refine(BaseModel):
     config. ``estimate`` is what a grey image's ``ν`` is: the kernel's non-local mean (``nonlocal``,
     the default, left out of the written config) or the collaborative filter of its matched patches
     (``collaborative``, ``kdeq.collab``); a colour image's ``ν`` is the non-local mean either way.
-    ``blend`` (``collaborative`` only) is what follows for a grey image: ``p'`` as it is (``none``, the
+    ``search_radius`` (``collaborative`` only) is the filter's ``R``: patches matched in a
+    ``(2R + 1)²`` window (7, the default, left out of the written config). ``blend`` (``collaborative``
+    only) is what follows for a grey image: ``p'`` as it is (``none``, the
     default, left out of the written config), or ``p' + b·(ν − p')`` with each image's ``b ∈ [0, 1]``
     least in Stein's unbiased risk estimate (``sure``, ``kdeq.sure``: the refinement then runs twice,
     once on a probe of the image)."""
@@ -120,12 +122,17 @@ class Refine(BaseModel):
     aggregate: Literal["pixel", "patch"] = "pixel"
     colour_channels: int | None = Field(None, ge=4, le=128)
     estimate: Literal["nonlocal", "collaborative"] = "nonlocal"
+    search_radius: int = Field(collab.SEARCH_RADIUS, ge=2, le=19)
     blend: Literal["none", "sure"] = "none"
 
     @model_validator(mode="after")
-    def _blend_is_collaborative(self) -> Refine:
-        if self.blend != "none" and self.estimate != "collaborative":
-            raise ValueError(f"blend {self.blend!r} is the collaborative estimate's, not {self.estimate!r}'s")
+    def _filter_options_are_collaborative(self) -> Refine:
+        if self.estimate != "collaborative":
+            whose = f"the collaborative estimate's, not {self.estimate!r}'s"
+            if self.blend != "none":
+                raise ValueError(f"blend {self.blend!r} is {whose}")
+            if self.search_radius != collab.SEARCH_RADIUS:
+                raise ValueError(f"a search radius is {whose}")
         return self
 
     @model_serializer(mode="wrap")
@@ -139,6 +146,8 @@ class Refine(BaseModel):
             data.pop("colour_channels", None)
         if self.estimate == "nonlocal":
             data.pop("estimate", None)
+        if self.search_radius == collab.SEARCH_RADIUS:
+            data.pop("search_radius", None)
         if self.blend == "none":
             data.pop("blend", None)
         return data

@@ -51,15 +51,15 @@ def explicit_patches(image: np.ndarray, p: int) -> dict[tuple[int, int], np.ndar
     }
 
 
-def test_groups_are_the_nearest_patches_of_the_window() -> None:
-    """Every reference's group is itself, then the patches of its window nearest to it, by a
-    brute-force search over explicit patches (a random image: no ties)."""
+@pytest.mark.parametrize("r", [collab.SEARCH_RADIUS, 4, 12])
+def test_groups_are_the_nearest_patches_of_the_window(r) -> None:
+    """Every reference's group is itself, then the patches of its window (radius ``r``) nearest to it,
+    by a brute-force search over explicit patches (a random image: no ties)."""
     gen = torch.Generator().manual_seed(0)
     image = torch.rand(2, 23, 31, generator=gen)
-    refs, members = collab.matches(image, 0.1, 8)
+    refs, members = collab.matches(image, 0.1, 8, r)
     patches = explicit_patches(image.double().numpy(), collab.PATCH_RADIUS)
     height, width = image.shape[1:]
-    r = collab.SEARCH_RADIUS
     assert refs.tolist() == [i * width + j for i in collab.grid(height) for j in collab.grid(width)]
     for ref, group in zip(refs.tolist(), members.tolist(), strict=True):
         i, j = divmod(ref, width)
@@ -181,22 +181,23 @@ def test_repeated_texture_is_kept_where_a_mean_of_matches_loses_it() -> None:
     assert psnr(both, clean) > max(psnr(basic, clean) + 0.5, max(means) + 1.0)
 
 
-def test_a_crop_on_the_grid_is_exact_beyond_the_reach() -> None:
+@pytest.mark.parametrize("r", [collab.SEARCH_RADIUS, 4])
+def test_a_crop_on_the_grid_is_exact_beyond_the_reach(r) -> None:
     """A crop whose origin is on the reference grid (a multiple of ``WINDOW_ALIGN``, as a tile's window
-    is) estimates its pixels ``REACH`` in from its borders as the whole image does; a crop off the grid
-    does not."""
+    is) estimates its pixels ``reach(r)`` in from its borders as the whole image does; a crop off the
+    grid does not."""
     gen = torch.Generator().manual_seed(4)
     clean = stripes(140, 150)
     y = clean + 0.1 * torch.randn(clean.shape, generator=gen)
-    whole = collab.collaborative(y, 0.1)
-    reach = collab.REACH
+    whole = collab.collaborative(y, 0.1, r)
+    reach = collab.reach(r)
     assert WINDOW_ALIGN % collab.STEP == 0
     for top, left in [(WINDOW_ALIGN, 2 * WINDOW_ALIGN), (0, WINDOW_ALIGN)]:
-        crop = collab.collaborative(y[:, top : top + 100, left : left + 110], 0.1)
+        crop = collab.collaborative(y[:, top : top + 100, left : left + 110], 0.1, r)
         inner = (slice(None), slice(reach, 100 - reach), slice(reach, 110 - reach))
         expected = whole[:, top : top + 100, left : left + 110][inner]
         assert torch.allclose(crop[inner], expected, atol=1e-5)
-    off = collab.collaborative(y[:, 1:101, 2:112], 0.1)
+    off = collab.collaborative(y[:, 1:101, 2:112], 0.1, r)
     assert not torch.allclose(
         off[:, reach:-reach, reach:-reach], whole[:, 1:101, 2:112][:, reach:-reach, reach:-reach], atol=1e-3
     )

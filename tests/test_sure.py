@@ -122,42 +122,49 @@ def test_the_weight_finds_the_best_blend_without_the_clean_image(monkeypatch) ->
     assert abs(sum(cautious) / len(cautious) - oracle) < 0.01
 
 
-def test_the_blend_option_is_the_collaborative_estimates_and_written_only_when_set() -> None:
+def test_the_filter_options_are_the_collaborative_estimates_and_written_only_when_set() -> None:
     assert "blend" not in Refine(estimate="collaborative").model_dump()
     chosen = Refine(estimate="collaborative", blend="sure")
     assert chosen.model_dump()["blend"] == "sure"
     assert Refine.model_validate(chosen.model_dump()) == chosen
     with pytest.raises(ValueError, match="collaborative"):
         Refine(blend="sure")
+    wider = Refine(estimate="collaborative", search_radius=12)
+    assert "search_radius" not in chosen.model_dump() and wider.model_dump()["search_radius"] == 12
+    assert Refine.model_validate(wider.model_dump()) == wider
+    with pytest.raises(ValueError, match="collaborative"):
+        Refine(search_radius=12)
 
 
 def shipped_versions():
     root = default_models_dir()
-    if not (root / "denoise-kglm-collab" / "2").is_dir():
-        pytest.skip(f"no denoise-kglm-collab:2 in {root}")
-    return (load_predictor(root / "denoise-kglm-collab" / str(v)) for v in (1, 2))
+    if not (root / "denoise-kglm-collab" / "3").is_dir():
+        pytest.skip(f"no denoise-kglm-collab:3 in {root}")
+    return (load_predictor(root / "denoise-kglm-collab" / str(v)) for v in (1, 2, 3))
 
 
-def test_the_shipped_blend_is_version_1_with_the_option() -> None:
+@pytest.mark.parametrize(
+    ("version", "options"), [(2, {"blend": "sure"}), (3, {"blend": "sure", "search_radius": 12})]
+)
+def test_the_shipped_blends_are_version_1_with_their_options(version, options) -> None:
+    """``denoise-kglm-collab:2`` is version 1 with the blend, 3 with the blend and the filter's 25×25
+    windows: the same architecture otherwise and the same tensors bit for bit (nothing trained)."""
     root = default_models_dir()
-    if not (root / "denoise-kglm-collab" / "2").is_dir():
-        pytest.skip(f"no denoise-kglm-collab:2 in {root}")
-    one, two = (load_checkpoint(root / "denoise-kglm-collab" / str(v)) for v in (1, 2))
-    refine = two.config.architecture.net.refine
-    assert refine.blend == "sure"
-    net = two.config.architecture.net.model_copy(
-        update={"refine": refine.model_copy(update={"blend": "none"})}
-    )
-    assert two.config.architecture.model_copy(update={"net": net}) == one.config.architecture
-    assert two.tensors.keys() == one.tensors.keys()
-    assert all(torch.equal(two.tensors[k], one.tensors[k]) for k in one.tensors)
+    if not (root / "denoise-kglm-collab" / str(version)).is_dir():
+        pytest.skip(f"no denoise-kglm-collab:{version} in {root}")
+    one, other = (load_checkpoint(root / "denoise-kglm-collab" / str(v)) for v in (1, version))
+    refine = one.config.architecture.net.refine
+    net = one.config.architecture.net.model_copy(update={"refine": refine.model_copy(update=options)})
+    assert other.config.architecture == one.config.architecture.model_copy(update={"net": net})
+    assert other.tensors.keys() == one.tensors.keys()
+    assert all(torch.equal(other.tensors[k], one.tensors[k]) for k in one.tensors)
 
 
 def test_the_blend_takes_the_filter_on_repeated_texture_and_keeps_the_pilot_elsewhere() -> None:
     """At σ = 25: on stripes whose contrast varies, version 2 is more than 0.5 dB above version 1 (whose
     ``H_φ`` trusts the filter little); on a smooth image with edges, within 0.05 dB of it; the same
-    call twice gives the same image; a colour image is version 1's bit for bit."""
-    one, two = shipped_versions()
+    call twice gives the same image; a colour image is version 1's bit for bit, in version 3 too."""
+    one, two, three = shipped_versions()
     gen = torch.Generator().manual_seed(4)
     sigma = 25.0
     textured = stripes(96, 96)
@@ -170,4 +177,6 @@ def test_the_blend_takes_the_filter_on_repeated_texture_and_keeps_the_pilot_else
         assert bool(second.stats.converged.all())
         assert torch.equal(second.output, two.predict(y, sigma=sigma).output)
     colour = (smooth.expand(3, -1, -1) + sigma / 255 * torch.randn(3, 96, 96, generator=gen))[None]
-    assert torch.equal(one.predict(colour, sigma=sigma).output, two.predict(colour, sigma=sigma).output)
+    first = one.predict(colour, sigma=sigma).output
+    assert torch.equal(first, two.predict(colour, sigma=sigma).output)
+    assert torch.equal(first, three.predict(colour, sigma=sigma).output)  # the search is the grey filter's

@@ -202,10 +202,10 @@ def test_the_ensemble_denoiser_tiled_matches_the_untiled_solve_on_odd_sides() ->
 @pytest.mark.usefixtures("guided_backend")
 def test_the_collaborative_denoiser_reads_a_grey_image_within_its_reach() -> None:
     """``denoise-kglm-collab:1`` filters a grey image collaboratively (``kdeq.collab``) for its mean: the
-    filter reads up to ``collab.REACH`` pixels away, within the model's reach."""
+    filter reads up to ``collab.reach()`` pixels away, within the model's reach."""
     model = shipped("denoise-kglm-collab", 1)
     rho = model.reach
-    assert rho >= collab.REACH + 2 * model.config.architecture.net.refine.depth + 1
+    assert rho >= collab.reach() + 2 * model.config.architecture.net.refine.depth + 1
     y = torch.from_numpy(noisy(2 * rho + 12, 2 * rho + 12, colour=False))[None]
     at = (rho + 4, 3)
     assert_reach(lambda v: equations(model, v, at), (y,), rho, at, added(0.5), near=(rho // 2, 1))
@@ -219,6 +219,14 @@ def test_the_collaborative_denoiser_tiled_matches_the_untiled_solve() -> None:
     whole = solve(model, image, 25.0, tol=1e-6)
     cut = solve(model, image, 25.0, tol=1e-6, size=64)
     assert np.abs(cut.output - whole.output).max() < 1e-3
+
+
+def test_a_wider_search_widens_the_collaborative_denoisers_reach() -> None:
+    """``denoise-kglm-collab:3`` matches patches in 25×25 windows: its reach covers the filter's
+    ``reach(12)``, wider than version 1's."""
+    wide, narrow = shipped("denoise-kglm-collab", 3), shipped("denoise-kglm-collab", 1)
+    depth = wide.config.architecture.net.refine.depth
+    assert wide.reach >= collab.reach(12) + 2 * depth + 1 > narrow.reach
 
 
 def test_the_blended_collaborative_denoiser_tiled_blends_each_tile_by_its_own_weight() -> None:
