@@ -32,7 +32,7 @@ from kdeq.checkpoint import Checkpoint, GuidedArchitecture, NoiseLambda
 from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
 from kdeq.filters import separable_blur
-from kdeq.guidenet import from_opponent, pilot, to_opponent
+from kdeq.guidenet import Refine, from_opponent, pilot, to_opponent
 from kdeq.predictor import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
 from kdeq.refine import refined_pilot, refines
 
@@ -254,7 +254,7 @@ class Denoiser(Predictor):
         refine = self.config.architecture.net.refine if self.config.architecture.net else None
         blend = refine is not None and refine.blend == "sure" and x.shape[1] == 1
         # probed before the image's own operator is built, so that the two are never held at once
-        probe = self._probed_gap(x, s, sizes, level) if blend else None
+        probe = self._probed_gap(x, s, sizes, level, refine) if blend else None
         op, pilot_image = self.guided_operator(x, s, sizes, level, mean_of=x if local else None)
         # a local mean keeps the padding's 0: it has no kernel mass (d = 0)
         mean = op.local_mean if local else self._mean(x, valid, sizes, level)
@@ -277,7 +277,12 @@ class Denoiser(Predictor):
         return layer, mean, pilot_image
 
     def _probed_gap(
-        self, x: torch.Tensor, s: torch.Tensor, sizes: Sizes | None, level: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        s: torch.Tensor,
+        sizes: Sizes | None,
+        level: torch.Tensor | None,
+        refine: Refine,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For SURE's weight (``Refine.blend = "sure"``, ``kdeq.sure``) of grey images ``x``
         ``(B, 1, H, W)`` at noise levels ``s`` ``(B,)``: the probe ``δ`` ``(B, 1, H, W)``, its step ``ε``
@@ -289,6 +294,5 @@ class Denoiser(Predictor):
             step = s * sure.STEP
             probed = x + step.to(x.dtype).reshape(-1, 1, 1, 1) * delta
             op, pilot_image = self.guided_operator(probed, s, sizes, level)
-            refine = self.config.architecture.net.refine
             p, nu = refined_pilot(op, probed, pilot_image, s, self.tensors, refine, sizes)
             return delta, step, nu - p

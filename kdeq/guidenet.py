@@ -109,10 +109,10 @@ class Refine(BaseModel):
     (``collaborative``, ``kdeq.collab``); a colour image's ``ν`` is the non-local mean either way.
     ``search_radius`` (``collaborative`` only) is the filter's ``R``: patches matched in a
     ``(2R + 1)²`` window (7, the default, left out of the written config). ``blend`` (``collaborative``
-    only) is what follows for a grey image: ``p'`` as it is (``none``, the
-    default, left out of the written config), or ``p' + b·(ν − p')`` with each image's ``b ∈ [0, 1]``
-    least in Stein's unbiased risk estimate (``sure``, ``kdeq.sure``: the refinement then runs twice,
-    once on a probe of the image)."""
+    only) is what follows for a grey image: ``p'`` as it is (``none``, the default, left out of the
+    written config), or ``p' + b·(ν − p')`` with each image's ``b ∈ [0, 1]`` least in Stein's unbiased
+    risk estimate (``sure``, ``kdeq.sure``: the refinement then runs twice, once on a probe of the
+    image)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -13,6 +13,7 @@ from kdeq import sure
 from kdeq.checkpoint import load_checkpoint
 from kdeq.guidenet import Refine
 from kdeq.repository import default_models_dir, load_predictor
+from tests.helpers import dense_operator
 from tests.test_collab import psnr, stripes
 
 F64 = torch.float64
@@ -43,9 +44,7 @@ def test_the_probed_divergence_of_a_linear_map_is_the_probes_quadratic_form() ->
     gen = torch.Generator().manual_seed(1)
     taps = torch.randn(3, 3, generator=gen, dtype=F64)
     h, w = 6, 7
-    matrix = torch.stack(
-        [circular(e.reshape(1, 1, h, w), taps).reshape(-1) for e in torch.eye(h * w, dtype=F64)], 1
-    )
+    matrix = dense_operator(lambda v: circular(v, taps), (1, h, w))
     y = torch.rand(1, 1, h, w, generator=gen, dtype=F64)
     delta = sure.probe(y)
     step = torch.tensor([0.01], dtype=F64)
