@@ -8,11 +8,11 @@ patch are a 3-D signal whose spectrum (a 2-D transform of each patch, then one a
 sparse where they repeat, so shrinking the spectrum removes the noise from what repeats and keeps
 each patch's own detail where it rises above the noise (Barbara's stripes).
 
-For a reference patch ``P_r`` (``n × n``, ``n = 2·PATCH_RADIUS + 1``) on a grid of step ``STEP``, its
-group ``G_r`` is the ``K`` patches of the ``(2R+1)²`` window whose centres are nearest to it in the
-matching image (``P_r`` itself first); ``T = H_K ⊗ (D_n ⊗ D_n)`` with ``D_n`` the orthonormal DCT-II
-and ``H_K`` the orthonormal Haar matrix, so ``T`` is orthonormal and the noise's spectrum is white with
-the same ``σ``:
+For a reference patch ``P_r`` (``n × n``, ``n = 2p + 1``, ``p`` the patch radius, by default
+``PATCH_RADIUS``) on a grid of step ``STEP``, its group ``G_r`` is the ``K`` patches of the ``(2R+1)²``
+window whose centres are nearest to it in the matching image (``P_r`` itself first);
+``T = H_K ⊗ (D_n ⊗ D_n)`` with ``D_n`` the orthonormal DCT-II and ``H_K`` the orthonormal Haar matrix,
+so ``T`` is orthonormal and the noise's spectrum is white with the same ``σ``:
 
     stage 1 (``hard``):   Ĝ_r = Tᵀ·thr(T·Y_r),  thr(s) = s·[|s| ≥ λσ],     weight 1/N_r (N_r = kept
                           coefficients), groups matched on the noisy image ``y``;
@@ -34,9 +34,9 @@ import torch
 from kdeq.adaptive import Sizes, guided_weights, half_offsets
 from kdeq.filters import mirror_pad
 
-#: patches of ``2·PATCH_RADIUS + 1`` pixels a side, matched in a window of ``2·R + 1`` (``R`` the
-#: search radius, by default ``SEARCH_RADIUS``), reference patches every ``STEP`` pixels (and on the
-#: last row and column)
+#: patches of ``2p + 1`` pixels a side (``p`` the patch radius, by default ``PATCH_RADIUS``), matched
+#: in a window of ``2·R + 1`` (``R`` the search radius, by default ``SEARCH_RADIUS``), reference patches
+#: every ``STEP`` pixels (and on the last row and column)
 PATCH_RADIUS = 3
 SEARCH_RADIUS = 7
 STEP = 3
@@ -47,19 +47,20 @@ GROUP_WIENER = 16
 THRESHOLD = 2.7
 #: the Kaiser window's β over a patch
 KAISER_BETA = 2.0
-#: reference patches filtered at a time: a 512² image's groups are ~23 M values at once otherwise
+#: reference patches matched at a time, and filtered at a time in groups of 16 grey 7×7 patches (fewer
+#: for larger ones, ``filtered``): a 512² image's groups are ~23 M values at once otherwise
 CHUNK = 4096
 #: offsets whose patch distances are held at once while matching (of the window's ``((2R + 1)² − 1)/2``)
 OFFSETS_AT_ONCE = 16
 
 
-def reach(radius: int = SEARCH_RADIUS) -> int:
+def reach(radius: int = SEARCH_RADIUS, patch_radius: int = PATCH_RADIUS) -> int:
     """How far from a pixel its estimate reads ``y`` (given the reference grid) with search radius ``R``
-    = ``radius``: a stage's estimate of ``q`` comes from every group member covering it (within ``p``),
-    each group's reference (within ``R`` of its members) and the reference's other members and
-    matching candidates (``R`` further, and their pixels ``p``); the second stage reads the first's
-    estimate as far: ``2·(2R + 2p)``."""
-    return 2 * (2 * radius + 2 * PATCH_RADIUS)
+    = ``radius`` and patch radius ``p`` = ``patch_radius``: a stage's estimate of ``q`` comes from
+    every group member covering it (within ``p``), each group's reference (within ``R`` of its
+    members) and the reference's other members and matching candidates (``R`` further, and their
+    pixels ``p``); the second stage reads the first's estimate as far: ``2·(2R + 2p)``."""
+    return 2 * (2 * radius + 2 * patch_radius)
 
 
 def dct_matrix(n: int) -> torch.Tensor:
@@ -105,15 +106,20 @@ def grid(length: int) -> torch.Tensor:
 
 
 def matches(
-    guide: torch.Tensor, sigma: float, group: int, radius: int = SEARCH_RADIUS
+    guide: torch.Tensor,
+    sigma: float,
+    group: int,
+    radius: int = SEARCH_RADIUS,
+    patch_radius: int = PATCH_RADIUS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For ``guide`` ``(c, H, W)``: the reference pixels ``(G,)`` (flat indices, on the grid) and their
     groups ``(G, K)``: the flat indices of the centres of the ``K = group`` patches of the
     ``(2·radius + 1)²`` window nearest to each reference's in ``guide`` (Euclidean distance over the
-    ``n × n × c`` patch), the reference itself first. ``sigma`` (in [0, 1] units) sets the scale of
-    the weights the distances are read from (``guided_weights`` with flat taps), not the ranking."""
+    ``n × n × c`` patch, ``n = 2·patch_radius + 1``), the reference itself first. ``sigma`` (in [0, 1]
+    units) sets the scale of the weights the distances are read from (``guided_weights`` with flat
+    taps), not the ranking."""
     c, height, width = guide.shape
-    n = 2 * PATCH_RADIUS + 1
+    n = 2 * patch_radius + 1
     offsets = half_offsets(radius)
     taps = torch.ones(2 * radius + 1, 2 * radius + 1, dtype=guide.dtype, device=guide.device)
     # distances reach ~2·n²·c·σ² between noisy patches; h² of 8 times that keeps every weight far
@@ -135,7 +141,7 @@ def matches(
     # a part of the offsets at a time: their weight maps, not the window's 113, are what a tile keeps
     for first in range(0, len(offsets), OFFSETS_AT_ONCE):
         part = offsets[first : first + OFFSETS_AT_ONCE]
-        weights = guided_weights(guide[None], taps, PATCH_RADIUS, h2, offsets=part)[0].reshape(len(part), -1)
+        weights = guided_weights(guide[None], taps, patch_radius, h2, offsets=part)[0].reshape(len(part), -1)
         a = torch.tensor([o[0] for o in part], device=guide.device)
         b = torch.tensor([o[1] for o in part], device=guide.device)
         rows = torch.arange(len(part), device=guide.device)[None, :]
@@ -166,16 +172,22 @@ def matches(
     return refs, members
 
 
-def collaborative(y: torch.Tensor, sigma: float, radius: int = SEARCH_RADIUS) -> torch.Tensor:
+def collaborative(
+    y: torch.Tensor, sigma: float, radius: int = SEARCH_RADIUS, patch_radius: int = PATCH_RADIUS
+) -> torch.Tensor:
     """Both stages' estimate ``(c, H, W)`` of the clean image from ``y`` ``(c, H, W)`` with white noise
-    of std ``sigma`` (in [0, 1] units), patches matched within ``radius``: the hard-threshold stage on
-    ``y``, then the Wiener stage guided by it (the module docstring)."""
-    basic = filtered(y, y, sigma, "hard", radius)
-    return filtered(y, basic, sigma, "wiener", radius)
+    of std ``sigma`` (in [0, 1] units), patches of radius ``patch_radius`` matched within ``radius``:
+    the hard-threshold stage on ``y``, then the Wiener stage guided by it (the module docstring)."""
+    basic = filtered(y, y, sigma, "hard", radius, patch_radius)
+    return filtered(y, basic, sigma, "wiener", radius, patch_radius)
 
 
 def each_collaborative(
-    y: torch.Tensor, sigma: torch.Tensor, sizes: Sizes | None = None, radius: int = SEARCH_RADIUS
+    y: torch.Tensor,
+    sigma: torch.Tensor,
+    sizes: Sizes | None = None,
+    radius: int = SEARCH_RADIUS,
+    patch_radius: int = PATCH_RADIUS,
 ) -> torch.Tensor:
     """``collaborative`` of each image of ``y`` ``(B, c, H, W)`` at its noise level ``σ`` ``(B,)`` (in
     [0, 1] units), each alone: its own ``(h, w)`` of ``sizes`` in a padded batch (the padding stays 0).
@@ -184,20 +196,25 @@ def each_collaborative(
     with torch.no_grad():
         for k in range(y.shape[0]):
             h, w = y.shape[-2:] if sizes is None else sizes[k]
-            out[k, :, :h, :w] = collaborative(y[k, :, :h, :w], float(sigma[k]), radius)
+            out[k, :, :h, :w] = collaborative(y[k, :, :h, :w], float(sigma[k]), radius, patch_radius)
     return out
 
 
 def filtered(
-    y: torch.Tensor, guide: torch.Tensor, sigma: float, stage: str, radius: int = SEARCH_RADIUS
+    y: torch.Tensor,
+    guide: torch.Tensor,
+    sigma: float,
+    stage: str,
+    radius: int = SEARCH_RADIUS,
+    patch_radius: int = PATCH_RADIUS,
 ) -> torch.Tensor:
-    """One stage's estimate ``(c, H, W)`` from ``y`` ``(c, H, W)``: groups matched within ``radius`` on
-    ``guide`` (``y`` itself for ``hard``; the first stage's estimate, also the Wiener filter's pilot,
-    for ``wiener``)."""
+    """One stage's estimate ``(c, H, W)`` from ``y`` ``(c, H, W)``: groups of patches of radius
+    ``patch_radius`` matched within ``radius`` on ``guide`` (``y`` itself for ``hard``; the first
+    stage's estimate, also the Wiener filter's pilot, for ``wiener``)."""
     c, height, width = y.shape
-    p, n = PATCH_RADIUS, 2 * PATCH_RADIUS + 1
+    p, n = patch_radius, 2 * patch_radius + 1
     group = GROUP_HARD if stage == "hard" else GROUP_WIENER
-    refs, members = matches(guide, sigma, group, radius)
+    refs, members = matches(guide, sigma, group, radius, patch_radius)
     k = members.shape[1]
     k = 1 << (k.bit_length() - 1)  # a power of two for the Haar transform
     members = members[:, :k]
@@ -221,8 +238,11 @@ def filtered(
     total = torch.zeros_like(noisy)
     mass = y.new_zeros(noisy.shape[1])
     threshold = THRESHOLD * sigma
-    for start in range(0, refs.numel(), CHUNK):
-        pixels = centre[members[start : start + CHUNK]][..., None] + spread  # (g, K, n²)
+    # as many groups at a time as CHUNK groups of 16 grey 7×7 patches hold values: larger patches'
+    # chunks are smaller, so that their arrays, not the image's, set the filter's peak memory
+    chunk = max(1, CHUNK * 16 * 49 // (group * n * n * c))
+    for start in range(0, refs.numel(), chunk):
+        pixels = centre[members[start : start + chunk]][..., None] + spread  # (g, K, n²)
         spectrum = transformed(noisy[:, pixels].permute(1, 2, 0, 3), stack, transform)
         if stage == "hard":
             spectrum = spectrum * (spectrum.abs() >= threshold)

@@ -84,7 +84,8 @@ class Denoiser(Predictor):
                 rows = max(rows, guide + reads + 2 * refine.depth + 1)
                 if refine.estimate == "collaborative":
                     # the filter reads y alone, no guide: its reach, then H_φ's
-                    rows = max(rows, collab.reach(refine.search_radius) + 2 * refine.depth + 1)
+                    filter_reach = collab.reach(refine.search_radius, refine.patch_radius)
+                    rows = max(rows, filter_reach + 2 * refine.depth + 1)
             return max(rows, mean)
         return max(self.tensors["w1"].shape[-1] // 2, mean)
 

@@ -108,7 +108,9 @@ class Refine(BaseModel):
     the default, left out of the written config) or the collaborative filter of its matched patches
     (``collaborative``, ``kdeq.collab``); a colour image's ``ν`` is the non-local mean either way.
     ``search_radius`` (``collaborative`` only) is the filter's ``R``: patches matched in a
-    ``(2R + 1)²`` window (7, the default, left out of the written config). ``blend`` (``collaborative``
+    ``(2R + 1)²`` window (7, the default, left out of the written config); ``patch_radius``
+    (``collaborative`` only) its ``p``: patches of ``(2p + 1)²`` pixels (3, the default, left out of the
+    written config). ``blend`` (``collaborative``
     only) is what follows for a grey image: ``p'`` as it is (``none``, the default, left out of the
     written config), or ``p' + b·(ν − p')`` with each image's ``b ∈ [0, 1]`` least in Stein's unbiased
     risk estimate (``sure``, ``kdeq.sure``: the refinement then runs twice, once on a probe of the
@@ -123,6 +125,7 @@ class Refine(BaseModel):
     colour_channels: int | None = Field(None, ge=4, le=128)
     estimate: Literal["nonlocal", "collaborative"] = "nonlocal"
     search_radius: int = Field(collab.SEARCH_RADIUS, ge=2, le=19)
+    patch_radius: int = Field(collab.PATCH_RADIUS, ge=1, le=6)
     blend: Literal["none", "sure"] = "none"
 
     @model_validator(mode="after")
@@ -133,6 +136,8 @@ class Refine(BaseModel):
                 raise ValueError(f"blend {self.blend!r} is {whose}")
             if self.search_radius != collab.SEARCH_RADIUS:
                 raise ValueError(f"a search radius is {whose}")
+            if self.patch_radius != collab.PATCH_RADIUS:
+                raise ValueError(f"a patch radius is {whose}")
         return self
 
     @model_serializer(mode="wrap")
@@ -148,6 +153,8 @@ class Refine(BaseModel):
             data.pop("estimate", None)
         if self.search_radius == collab.SEARCH_RADIUS:
             data.pop("search_radius", None)
+        if self.patch_radius == collab.PATCH_RADIUS:
+            data.pop("patch_radius", None)
         if self.blend == "none":
             data.pop("blend", None)
         return data

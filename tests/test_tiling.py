@@ -221,12 +221,13 @@ def test_the_collaborative_denoiser_tiled_matches_the_untiled_solve() -> None:
     assert np.abs(cut.output - whole.output).max() < 1e-3
 
 
-def test_a_wider_search_widens_the_collaborative_denoisers_reach() -> None:
+def test_a_wider_search_and_larger_patches_widen_the_collaborative_denoisers_reach() -> None:
     """``denoise-kglm-collab:3`` matches patches in 25×25 windows: its reach covers the filter's
-    ``reach(12)``, wider than version 1's."""
-    wide, narrow = shipped("denoise-kglm-collab", 3), shipped("denoise-kglm-collab", 1)
+    ``reach(12)``, wider than version 1's; version 4's 9×9 patches, ``reach(12, 4)``, wider still."""
+    narrow, wide, larger = (shipped("denoise-kglm-collab", v) for v in (1, 3, 4))
     depth = wide.config.architecture.net.refine.depth
     assert wide.reach >= collab.reach(12) + 2 * depth + 1 > narrow.reach
+    assert larger.reach >= collab.reach(12, 4) + 2 * depth + 1 > wide.reach
 
 
 def test_the_blended_collaborative_denoiser_tiled_blends_each_tile_by_its_own_weight() -> None:
