@@ -268,9 +268,13 @@ def test_the_estimate_option_is_written_only_when_set() -> None:
         Refine(estimate="bm3d")
 
 
-def test_the_refinement_reads_the_filter_for_grey_images_and_the_mean_for_colour(monkeypatch) -> None:
+@pytest.mark.parametrize("options", [{}, {"search_radius": 5, "patch_radius": 2}])
+def test_the_refinement_reads_the_filter_for_grey_images_and_the_mean_for_colour(
+    monkeypatch, options
+) -> None:
     """``refined_pilot`` with ``estimate = "collaborative"`` hands ``H_φ`` (here a stand-in that records
-    its ``ν``) the filter's estimate for a grey image and the non-local mean for a colour one."""
+    its ``ν``) the filter's estimate for a grey image, with the model's window and patches, and the
+    non-local mean for a colour one."""
     from kdeq import refine as R
 
     seen = {}
@@ -281,13 +285,18 @@ def test_the_refinement_reads_the_filter_for_grey_images_and_the_mean_for_colour
 
     monkeypatch.setattr(R, "_refined", fake_refined)
     gen = torch.Generator().manual_seed(7)
-    cfg = Refine(estimate="collaborative", aggregate="patch", colour_channels=4)
+    cfg = Refine(estimate="collaborative", aggregate="patch", colour_channels=4, **options)
     for channels in (1, 3):
         y = torch.rand(1, channels, 24, 30, generator=gen)
         op = GuidedOperator(y, torch.ones(5, 5), 1, torch.tensor([0.05]), True)
         R.refined_pilot(op, y, y, torch.tensor([0.1]), {}, cfg)
         if channels == 1:
-            assert torch.equal(seen[1], collab.each_collaborative(y, torch.tensor([0.1])))
+            expected = collab.each_collaborative(
+                y, torch.tensor([0.1]), None, cfg.search_radius, cfg.patch_radius
+            )
+            assert torch.equal(seen[1], expected)
+            if options:
+                assert not torch.equal(seen[1], collab.each_collaborative(y, torch.tensor([0.1])))
         else:
             assert torch.equal(seen[3], op.nonlocal_mean(y, cfg.sharpness, patches=True)[0])
 
