@@ -238,9 +238,10 @@ def filtered(
     total = torch.zeros_like(noisy)
     mass = y.new_zeros(noisy.shape[1])
     threshold = THRESHOLD * sigma
-    # as many groups at a time as CHUNK groups of 16 grey 7×7 patches hold values: larger patches'
-    # chunks are smaller, so that their arrays, not the image's, set the filter's peak memory
-    chunk = max(1, CHUNK * 16 * 49 // (group * n * n * c))
+    # as many groups at a time as CHUNK groups of the default grey patches hold values: larger
+    # patches' chunks are smaller, so that their arrays, not the image's, set the filter's peak memory
+    default = GROUP_HARD * (2 * PATCH_RADIUS + 1) ** 2
+    chunk = max(1, CHUNK * default // (group * n * n * c))
     for start in range(0, refs.numel(), chunk):
         pixels = centre[members[start : start + chunk]][..., None] + spread  # (g, K, n²)
         spectrum = transformed(noisy[:, pixels].permute(1, 2, 0, 3), stack, transform)

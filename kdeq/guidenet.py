@@ -110,11 +110,10 @@ class Refine(BaseModel):
     ``search_radius`` (``collaborative`` only) is the filter's ``R``: patches matched in a
     ``(2R + 1)²`` window (7, the default, left out of the written config); ``patch_radius``
     (``collaborative`` only) its ``p``: patches of ``(2p + 1)²`` pixels (3, the default, left out of the
-    written config). ``blend`` (``collaborative``
-    only) is what follows for a grey image: ``p'`` as it is (``none``, the default, left out of the
-    written config), or ``p' + b·(ν − p')`` with each image's ``b ∈ [0, 1]`` least in Stein's unbiased
-    risk estimate (``sure``, ``kdeq.sure``: the refinement then runs twice, once on a probe of the
-    image)."""
+    written config). ``blend`` (``collaborative`` only) is what follows for a grey image: ``p'`` as it
+    is (``none``, the default, left out of the written config), or ``p' + b·(ν − p')`` with each
+    image's ``b ∈ [0, 1]`` least in Stein's unbiased risk estimate (``sure``, ``kdeq.sure``: the
+    refinement then runs twice, once on a probe of the image)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
