@@ -19,6 +19,14 @@ so ``T`` is orthonormal and the noise's spectrum is white with the same ``σ``:
     stage 2 (``wiener``): Ĝ_r = Tᵀ·(ω ⊙ T·Y_r),  ω = (T·B_r)²/((T·B_r)² + σ²), weight 1/‖ω‖², groups
                           matched on the first stage's estimate ``b`` (and ``B_r`` taken from it).
 
+With ``first_stage = "dct+biorthogonal"`` the first stage's estimate is the mean of two: the one
+above, and the same groups' patches ``2p`` pixels a side (``−(p − 1)…p`` about each matched centre,
+``2p`` a power of two) thresholded in ``T_b = H_K ⊗ (B ⊗ B)``, ``B`` the periodic wavelet transform of
+the biorthogonal spline wavelet ``bior1.5`` (BM3D's own first-stage transform). ``T_b`` is not
+orthonormal: coefficient ``j``'s noise has std ``σ‖t_j‖`` (``t_j`` its row), its threshold is
+``λσ‖t_j‖``, and the estimate is read back through ``T_b⁻¹``. Its wavelets suit edges and smooth
+regions (House), the DCT stripes (Barbara); the Wiener stage's pilot, their mean, keeps most of each.
+
 Each pixel is the weighted mean of every estimate of it (each group member covers ``n²`` pixels),
 each weighted further by a Kaiser window over the patch. Both stages' weights are the reciprocal of
 the estimate's noise variance, as the paper's, up to ``σ²``, which is the same for every group.
@@ -85,6 +93,42 @@ def haar_matrix(k: int) -> torch.Tensor:
         # the coarser rows spread over twice the length, then a difference of neighbours at the finest
         out = torch.cat([torch.kron(out, pair), torch.kron(torch.eye(out.shape[0], dtype=f64), step)])
         out = out / math.sqrt(2)
+    return out
+
+
+#: the analysis low-pass taps of ``bior1.5`` at ``t = −4…5`` about a pair ``(2k, 2k + 1)``; its high-pass
+#: is Haar's, ``(x_2k − x_2k+1)/√2``
+BIOR_LOW = (3, -3, -22, 22, 128, 128, 22, -22, -3, 3)
+#: the first stages (``Refine.first_stage``): the DCT's alone, or the mean of the DCT's and the
+#: biorthogonal wavelets' estimates
+FIRST_STAGES = ("dct", "dct+biorthogonal")
+
+
+def biorthogonal_matrix(n: int) -> torch.Tensor:
+    """The analysis matrix ``B`` ``(n, n)``, ``n`` a power of two, of the periodic discrete wavelet
+    transform over all ``log₂ n`` levels with the biorthogonal spline wavelet of orders 1 and 5
+    (Cohen, Daubechies and Feauveau; ``bior1.5``). One level maps a length-``m`` signal ``x`` to
+
+        a_k = (√2/256)·Σ_{t=−4}^{5} ℓ_t·x_{(2k + t) mod m},   d_k = (x_{2k} − x_{2k+1})/√2,   k < m/2,
+
+    ``ℓ`` = ``BIOR_LOW``, and the next level transforms ``a``: the rows are the last level's ``a``, then
+    each level's ``d``, coarsest first. Not orthogonal (its rows' norms are 1 to 1.06 at ``n = 8``);
+    its inverse is the synthesis by the Haar scaling function and the long wavelet."""
+    if n < 2 or n & (n - 1):
+        raise ValueError(f"the wavelet transform needs a power of two, got {n}")
+    f64 = torch.float64
+    out = torch.eye(n, dtype=f64)
+    m = n
+    while m > 1:
+        step = torch.eye(n, dtype=f64)  # the finished details pass through
+        step[:m, :m] = 0
+        for k in range(m // 2):
+            for t, tap in zip(range(-4, 6), BIOR_LOW, strict=True):
+                step[k, (2 * k + t) % m] += math.sqrt(2) / 256 * tap
+            step[m // 2 + k, 2 * k] = 1 / math.sqrt(2)
+            step[m // 2 + k, 2 * k + 1] = -1 / math.sqrt(2)
+        out = step @ out
+        m //= 2
     return out
 
 
@@ -173,12 +217,23 @@ def matches(
 
 
 def collaborative(
-    y: torch.Tensor, sigma: float, radius: int = SEARCH_RADIUS, patch_radius: int = PATCH_RADIUS
+    y: torch.Tensor,
+    sigma: float,
+    radius: int = SEARCH_RADIUS,
+    patch_radius: int = PATCH_RADIUS,
+    first_stage: str = "dct",
 ) -> torch.Tensor:
     """Both stages' estimate ``(c, H, W)`` of the clean image from ``y`` ``(c, H, W)`` with white noise
     of std ``sigma`` (in [0, 1] units), patches of radius ``patch_radius`` matched within ``radius``:
-    the hard-threshold stage on ``y``, then the Wiener stage guided by it (the module docstring)."""
-    basic = filtered(y, y, sigma, "hard", radius, patch_radius)
+    the hard-threshold stage on ``y`` (``first_stage``: the DCT's, or its mean with the biorthogonal
+    wavelets' on the same groups), then the Wiener stage guided by it (the module docstring)."""
+    if first_stage not in FIRST_STAGES:
+        raise ValueError(f"the first stage is one of {FIRST_STAGES}, got {first_stage!r}")
+    groups = matches(y, sigma, GROUP_HARD, radius, patch_radius)
+    basic = filtered(y, y, sigma, "hard", radius, patch_radius, groups=groups)
+    if first_stage == "dct+biorthogonal":
+        wavelets = filtered(y, y, sigma, "hard", radius, patch_radius, "biorthogonal", groups)
+        basic = (basic + wavelets) / 2
     return filtered(y, basic, sigma, "wiener", radius, patch_radius)
 
 
@@ -188,6 +243,7 @@ def each_collaborative(
     sizes: Sizes | None = None,
     radius: int = SEARCH_RADIUS,
     patch_radius: int = PATCH_RADIUS,
+    first_stage: str = "dct",
 ) -> torch.Tensor:
     """``collaborative`` of each image of ``y`` ``(B, c, H, W)`` at its noise level ``σ`` ``(B,)`` (in
     [0, 1] units), each alone: its own ``(h, w)`` of ``sizes`` in a padded batch (the padding stays 0).
@@ -196,7 +252,8 @@ def each_collaborative(
     with torch.no_grad():
         for k in range(y.shape[0]):
             h, w = y.shape[-2:] if sizes is None else sizes[k]
-            out[k, :, :h, :w] = collaborative(y[k, :, :h, :w], float(sigma[k]), radius, patch_radius)
+            image = y[k, :, :h, :w]
+            out[k, :, :h, :w] = collaborative(image, float(sigma[k]), radius, patch_radius, first_stage)
     return out
 
 
@@ -207,19 +264,33 @@ def filtered(
     stage: str,
     radius: int = SEARCH_RADIUS,
     patch_radius: int = PATCH_RADIUS,
+    basis: str = "dct",
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One stage's estimate ``(c, H, W)`` from ``y`` ``(c, H, W)``: groups of patches of radius
     ``patch_radius`` matched within ``radius`` on ``guide`` (``y`` itself for ``hard``; the first
-    stage's estimate, also the Wiener filter's pilot, for ``wiener``)."""
+    stage's estimate, also the Wiener filter's pilot, for ``wiener``), or ``groups``, ``matches``'s
+    already made on ``guide``. ``basis`` (``hard`` only): the DCT on the matched patches, or the
+    biorthogonal wavelets on their ``2p``-pixel part ``−(p − 1)…p`` (the module docstring)."""
     c, height, width = y.shape
-    p, n = patch_radius, 2 * patch_radius + 1
+    p = patch_radius
     group = GROUP_HARD if stage == "hard" else GROUP_WIENER
-    refs, members = matches(guide, sigma, group, radius, patch_radius)
+    refs, members = matches(guide, sigma, group, radius, patch_radius) if groups is None else groups
     k = members.shape[1]
     k = 1 << (k.bit_length() - 1)  # a power of two for the Haar transform
     members = members[:, :k]
-    dct = dct_matrix(n)
-    transform = torch.kron(dct, dct).to(y.device, y.dtype)  # (n², n²) on a patch flattened row by row
+    if basis == "dct":
+        n, low = 2 * p + 1, p
+        factor = dct_matrix(n)
+    elif basis == "biorthogonal" and stage == "hard":
+        n, low = 2 * p, p - 1
+        factor = biorthogonal_matrix(n)
+    else:
+        raise ValueError(f"the {stage} stage has no {basis!r} basis")
+    transform = torch.kron(factor, factor)  # (n², n²) on a patch flattened row by row
+    # the DCT is orthonormal: its inverse is its transpose
+    inverse = (transform.T if basis == "dct" else torch.linalg.inv(transform)).to(y.device, y.dtype)
+    transform = transform.to(y.device, y.dtype)
     stack = haar_matrix(k).to(y.device, y.dtype)
     window = torch.kaiser_window(n, periodic=False, beta=KAISER_BETA, dtype=torch.float64)
     window = torch.outer(window, window).reshape(-1).to(y.device, y.dtype)
@@ -231,13 +302,18 @@ def filtered(
 
     noisy = canvas(y)
     pilot = None if stage == "hard" else canvas(guide)
-    # a patch centred at (i, j) covers the padded canvas's (i + p + di, j + p + dj), |di|, |dj| ≤ p
+    # a patch about (i, j) covers the padded canvas's (i + p + di, j + p + dj), −low ≤ di, dj < n − low
     centre = (torch.arange(height)[:, None] + p) * wide + (torch.arange(width)[None, :] + p)
     centre = centre.reshape(-1).to(y.device)
-    spread = ((torch.arange(n)[:, None] - p) * wide + torch.arange(n)[None, :] - p).reshape(-1).to(y.device)
+    offsets = torch.arange(n, device=y.device) - low
+    spread = (offsets[:, None] * wide + offsets[None, :]).reshape(-1)
     total = torch.zeros_like(noisy)
     mass = y.new_zeros(noisy.shape[1])
+    # each coefficient's noise has std σ times its row's norm: 1 for the orthonormal DCT, so that its
+    # threshold is λσ exactly
     threshold = THRESHOLD * sigma
+    if basis != "dct":
+        threshold = (threshold * transform.norm(dim=1)).to(y.device, y.dtype)
     # as many groups at a time as CHUNK groups of the default grey patches hold values: larger
     # patches' chunks are smaller, so that their arrays, not the image's, set the filter's peak memory
     default = GROUP_HARD * (2 * PATCH_RADIUS + 1) ** 2
@@ -253,7 +329,7 @@ def filtered(
             shrink = power / (power + sigma**2)
             spectrum = spectrum * shrink
             weight = 1.0 / shrink.square().sum(dim=(1, 2, 3)).clamp(min=torch.finfo(y.dtype).tiny)
-        estimate = transformed(spectrum, stack.T, transform.T)
+        estimate = transformed(spectrum, stack.T, inverse)
         scale = (weight[:, None, None] * window).expand(-1, k, -1)
         flat = pixels.reshape(-1)
         total.index_add_(1, flat, (estimate * scale[:, :, None, :]).permute(2, 0, 1, 3).reshape(c, -1))

@@ -110,7 +110,10 @@ class Refine(BaseModel):
     ``search_radius`` (``collaborative`` only) is the filter's ``R``: patches matched in a
     ``(2R + 1)²`` window (7, the default, left out of the written config); ``patch_radius``
     (``collaborative`` only) its ``p``: patches of ``(2p + 1)²`` pixels (3, the default, left out of the
-    written config). ``blend`` (``collaborative`` only) is what follows for a grey image: ``p'`` as it
+    written config). ``first_stage`` (``collaborative`` only) is the filter's first stage: the DCT's
+    (``dct``, the default, left out of the written config) or its mean with the biorthogonal
+    wavelets' on ``2p``-pixel patches (``dct+biorthogonal``, ``2p`` a power of two: ``p`` = 1, 2 or 4).
+    ``blend`` (``collaborative`` only) is what follows for a grey image: ``p'`` as it
     is (``none``, the default, left out of the written config), or ``p' + b·(ν − p')`` with each
     image's ``b ∈ [0, 1]`` least in Stein's unbiased risk estimate (``sure``, ``kdeq.sure``: the
     refinement then runs twice, once on a probe of the image)."""
@@ -125,6 +128,7 @@ class Refine(BaseModel):
     estimate: Literal["nonlocal", "collaborative"] = "nonlocal"
     search_radius: int = Field(collab.SEARCH_RADIUS, ge=2, le=19)
     patch_radius: int = Field(collab.PATCH_RADIUS, ge=1, le=6)
+    first_stage: Literal["dct", "dct+biorthogonal"] = "dct"
     blend: Literal["none", "sure"] = "none"
 
     @model_validator(mode="after")
@@ -137,6 +141,11 @@ class Refine(BaseModel):
                 raise ValueError(f"a search radius is {whose}")
             if self.patch_radius != collab.PATCH_RADIUS:
                 raise ValueError(f"a patch radius is {whose}")
+            if self.first_stage != "dct":
+                raise ValueError(f"the first stage {self.first_stage!r} is {whose}")
+        side = 2 * self.patch_radius
+        if self.first_stage == "dct+biorthogonal" and side & (side - 1):
+            raise ValueError(f"the biorthogonal stage needs 2p a power of two; p is {self.patch_radius}")
         return self
 
     @model_serializer(mode="wrap")
@@ -154,6 +163,8 @@ class Refine(BaseModel):
             data.pop("search_radius", None)
         if self.patch_radius == collab.PATCH_RADIUS:
             data.pop("patch_radius", None)
+        if self.first_stage == "dct":
+            data.pop("first_stage", None)
         if self.blend == "none":
             data.pop("blend", None)
         return data

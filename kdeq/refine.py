@@ -65,7 +65,8 @@ def refined_pilot(
             f"{y.shape[1]} channels"
         )
     if refine.estimate == "collaborative" and y.shape[1] == 1:
-        nu = each_collaborative(y, sigma, sizes, refine.search_radius, refine.patch_radius)
+        radii = (refine.search_radius, refine.patch_radius)
+        nu = each_collaborative(y, sigma, sizes, *radii, refine.first_stage)
         spread = op.match_spread(y, refine.sharpness)
     else:
         nu, spread = op.nonlocal_mean(y, refine.sharpness, patches=refine.aggregate == "patch")

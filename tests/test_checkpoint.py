@@ -57,6 +57,7 @@ def test_repository_lists_the_shipped_models() -> None:
         ("denoise-kglm-collab", 2, None),  # 1 blending toward the filter by SURE's weight, no training
         ("denoise-kglm-collab", 3, None),  # 2 with the filter's patches matched in 25×25 windows
         ("denoise-kglm-collab", 4, None),  # 3 with the filter's patches 9×9
+        ("denoise-kglm-collab", 5, None),  # 4 with the wavelets' first stage beside the DCT's
         ("denoise-kglm-x8", 1, None),  # denoise-kglm:8 averaged over the square's 8 symmetries
         ("denoise-poisson-kglm", 1, None),  # closed form (kdeq init --defaults)
         ("denoise-poisson-kglm", 2, None),  # denoise-kglm:2's network, trained by kdeq train

@@ -108,7 +108,7 @@ def test_a_broken_model_file_is_refused_by_name_and_the_rest_serve(tmp_path, cap
         assert metric(c.get("/metrics").text, "kdeq_model_ready", model="denoise-kglm:8") == 0
         assert c.get("/readyz").status_code == 200  # other models are usable
         r = c.post("/denoise", files={"image": PNG})  # the next denoiser by name takes over as the default
-        assert r.status_code == 200 and r.headers["x-kdeq-model"] == "denoise-kglm-collab:4"
+        assert r.status_code == 200 and r.headers["x-kdeq-model"] == "denoise-kglm-collab:5"
     assert any(str(broken) in rec.getMessage() for rec in caplog.records)
 
 

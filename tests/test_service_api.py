@@ -63,7 +63,7 @@ def test_health_ready_and_models(client: TestClient) -> None:
     assert set(models) == {
         "denoise-kglm:8",
         "denoise-kglm-x8:1",
-        "denoise-kglm-collab:4",
+        "denoise-kglm-collab:5",
         "denoise-stationary-kglm:2",
         "inpaint-kglm:3",
         "segment-kglm:2",
@@ -74,7 +74,7 @@ def test_health_ready_and_models(client: TestClient) -> None:
     }
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
     assert models["denoise-kglm:8"]["default"]
-    assert not any(models[k]["default"] for k in ("denoise-kglm-x8:1", "denoise-kglm-collab:4"))
+    assert not any(models[k]["default"] for k in ("denoise-kglm-x8:1", "denoise-kglm-collab:5"))
     assert not models["denoise-stationary-kglm:2"]["default"]
 
 

@@ -138,13 +138,22 @@ def test_the_filter_options_are_the_collaborative_estimates_and_written_only_whe
     assert Refine.model_validate(larger.model_dump()) == larger
     with pytest.raises(ValueError, match="collaborative"):
         Refine(patch_radius=4)
+    both = Refine(estimate="collaborative", patch_radius=4, first_stage="dct+biorthogonal")
+    assert "first_stage" not in larger.model_dump() and both.model_dump()["first_stage"] == "dct+biorthogonal"
+    assert Refine.model_validate(both.model_dump()) == both
+    with pytest.raises(ValueError, match="collaborative"):
+        Refine(first_stage="dct+biorthogonal")
+    with pytest.raises(ValueError, match="power of two"):
+        Refine(estimate="collaborative", patch_radius=3, first_stage="dct+biorthogonal")
+    with pytest.raises(ValueError):
+        Refine(estimate="collaborative", patch_radius=4, first_stage="wavelets")
 
 
 def shipped_versions():
     root = default_models_dir()
-    if not (root / "denoise-kglm-collab" / "4").is_dir():
-        pytest.skip(f"no denoise-kglm-collab:4 in {root}")
-    return (load_predictor(root / "denoise-kglm-collab" / str(v)) for v in (1, 2, 3, 4))
+    if not (root / "denoise-kglm-collab" / "5").is_dir():
+        pytest.skip(f"no denoise-kglm-collab:5 in {root}")
+    return (load_predictor(root / "denoise-kglm-collab" / str(v)) for v in (1, 2, 3, 4, 5))
 
 
 @pytest.mark.parametrize(
@@ -153,12 +162,13 @@ def shipped_versions():
         (2, {"blend": "sure"}),
         (3, {"blend": "sure", "search_radius": 12}),
         (4, {"blend": "sure", "search_radius": 12, "patch_radius": 4}),
+        (5, {"blend": "sure", "search_radius": 12, "patch_radius": 4, "first_stage": "dct+biorthogonal"}),
     ],
 )
 def test_the_shipped_blends_are_version_1_with_their_options(version, options) -> None:
     """``denoise-kglm-collab:2`` is version 1 with the blend, 3 with the blend and the filter's 25×25
-    windows, 4 with those and its 9×9 patches: the same architecture otherwise and the same tensors
-    bit for bit (nothing trained)."""
+    windows, 4 with those and its 9×9 patches, 5 with those and the wavelets' first stage beside the
+    DCT's: the same architecture otherwise and the same tensors bit for bit (nothing trained)."""
     root = default_models_dir()
     if not (root / "denoise-kglm-collab" / str(version)).is_dir():
         pytest.skip(f"no denoise-kglm-collab:{version} in {root}")
@@ -173,9 +183,9 @@ def test_the_shipped_blends_are_version_1_with_their_options(version, options) -
 def test_the_blend_takes_the_filter_on_repeated_texture_and_keeps_the_pilot_elsewhere() -> None:
     """At σ = 25: on stripes whose contrast varies, version 2 is more than 0.5 dB above version 1 (whose
     ``H_φ`` trusts the filter little); on a smooth image with edges, within 0.05 dB of it; the same
-    call twice gives the same image; a colour image is version 1's bit for bit, in versions 3 and 4
+    call twice gives the same image; a colour image is version 1's bit for bit, in versions 3 to 5
     too."""
-    one, two, three, four = shipped_versions()
+    one, two, three, four, five = shipped_versions()
     gen = torch.Generator().manual_seed(4)
     sigma = 25.0
     textured = stripes(96, 96)
@@ -190,6 +200,6 @@ def test_the_blend_takes_the_filter_on_repeated_texture_and_keeps_the_pilot_else
     colour = (smooth.expand(3, -1, -1) + sigma / 255 * torch.randn(3, 96, 96, generator=gen))[None]
     first = one.predict(colour, sigma=sigma).output
     assert torch.equal(first, two.predict(colour, sigma=sigma).output)
-    # the search and the patches are the grey filter's
-    assert torch.equal(first, three.predict(colour, sigma=sigma).output)
-    assert torch.equal(first, four.predict(colour, sigma=sigma).output)
+    # the search, the patches and the first stage are the grey filter's
+    for later in (three, four, five):
+        assert torch.equal(first, later.predict(colour, sigma=sigma).output)

@@ -223,11 +223,13 @@ def test_the_collaborative_denoiser_tiled_matches_the_untiled_solve() -> None:
 
 def test_a_wider_search_and_larger_patches_widen_the_collaborative_denoisers_reach() -> None:
     """``denoise-kglm-collab:3`` matches patches in 25×25 windows: its reach covers the filter's
-    ``reach(12)``, wider than version 1's; version 4's 9×9 patches, ``reach(12, 4)``, wider still."""
-    narrow, wide, larger = (shipped("denoise-kglm-collab", v) for v in (1, 3, 4))
+    ``reach(12)``, wider than version 1's; version 4's 9×9 patches, ``reach(12, 4)``, wider still;
+    version 5's wavelet patches lie within those, and its reach is version 4's."""
+    narrow, wide, larger, both = (shipped("denoise-kglm-collab", v) for v in (1, 3, 4, 5))
     depth = wide.config.architecture.net.refine.depth
     assert wide.reach >= collab.reach(12) + 2 * depth + 1 > narrow.reach
     assert larger.reach >= collab.reach(12, 4) + 2 * depth + 1 > wide.reach
+    assert both.reach == larger.reach
 
 
 def test_the_blended_collaborative_denoiser_tiled_blends_each_tile_by_its_own_weight() -> None:

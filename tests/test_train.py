@@ -652,13 +652,13 @@ def test_a_task_without_training_hooks_is_refused(
 SET12 = ROOT.parent / "shared" / "data" / "Set12"
 # every committed checkpoint that is neither a closed-form default (rebuilt bit for bit by
 # tests/test_checkpoint.py), a composition or retasked copy (rebuilt by tests/test_pnp.py), nor a
-# trained one's copy with other architecture options (denoise-kglm:5, denoise-kglm-collab:2 to 4,
+# trained one's copy with other architecture options (denoise-kglm:5, denoise-kglm-collab:2 to 5,
 # rebuilt by docs/training.md's recipes, which tests/test_docs.py runs)
 CLOSED_FORM = (
     {(s.name, str(s.version)) for s in DEFAULT_SPECS + PLUG_AND_PLAY_SPECS}
     | {(name, str(version)) for name, version, *_ in RETASKED}
     | {("denoise-kglm", "5")}
-    | {("denoise-kglm-collab", str(v)) for v in (2, 3, 4)}
+    | {("denoise-kglm-collab", str(v)) for v in (2, 3, 4, 5)}
 )
 TUNED = [
     p.parent
