@@ -36,9 +36,11 @@ kernel's do."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
+from kdeq import native
 from kdeq.adaptive import Sizes, guided_weights, half_offsets
 from kdeq.filters import mirror_pad
 
@@ -186,34 +188,59 @@ def matches(
     for first in range(0, len(offsets), OFFSETS_AT_ONCE):
         part = offsets[first : first + OFFSETS_AT_ONCE]
         weights = guided_weights(guide[None], taps, patch_radius, h2, offsets=part)[0].reshape(len(part), -1)
-        a = torch.tensor([o[0] for o in part], device=guide.device)
-        b = torch.tensor([o[1] for o in part], device=guide.device)
-        rows = torch.arange(len(part), device=guide.device)[None, :]
-        # a chunk of references at a time: their candidates' indices are int64, 2 per offset
-        for start in range(0, refs.numel(), CHUNK):
-            cy, cx, here = ry[start : start + CHUNK], rx[start : start + CHUNK], refs[start : start + CHUNK]
-            # w_o(x) pairs x with x + o: a reference r meets r + o in w_o(r), and r − o in w_o(r − o)
-            ty, tx = cy[:, None] + a, cx[:, None] + b
-            sy, sx = cy[:, None] - a, cx[:, None] - b
-            ahead = (ty >= 0) & (ty < height) & (tx >= 0) & (tx < width)
-            behind = (sy >= 0) & (sy < height) & (sx >= 0) & (sx < width) & ((a != 0) | (b != 0))
-            forward = (ty * width + tx).clamp(0, height * width - 1)
-            backward = (sy * width + sx).clamp(0, height * width - 1)
-            found = torch.cat(
-                [
-                    torch.where(ahead, weights[rows, here[:, None].expand_as(forward)], -1.0),
-                    torch.where(behind, weights[rows, backward], -1.0),
-                ],
-                dim=1,
-            )
-            if first == 0:
-                found[:, 0] = 2.0  # the reference first (offset (0, 0)), whatever ties at weight 1
-            kept = slice(start, start + CHUNK)
-            both = torch.cat([scores[kept], found], dim=1)
-            best = both.topk(group, dim=1)
-            scores[kept] = best.values
-            members[kept] = torch.cat([members[kept], forward, backward], dim=1).gather(1, best.indices)
+        select = native.select if native.enabled(weights) else running_best
+        select(weights, part, first == 0, refs, height, width, scores, members)
     return refs, members
+
+
+def running_best(
+    weights: torch.Tensor,
+    offsets: Sequence[tuple[int, int]],
+    self_first: bool,
+    refs: torch.Tensor,
+    height: int,
+    width: int,
+    scores: torch.Tensor,
+    members: torch.Tensor,
+) -> None:
+    """``matches``'s selection in place, torch's loop for ``native.select`` (the same arguments and
+    result): each reference ``r`` of ``refs`` ``(G,)`` keeps its ``K`` best candidates, ``scores``
+    ``(G, K)`` highest first and ``members`` ``(G, K)`` their pixels, of the forward ``r + o_j`` (score
+    ``weights[j](r)``) then backward ``r − o_j`` (``weights[j](r − o_j)``) candidates of ``offsets``,
+    in a stable sort, highest first; with ``self_first`` the reference itself (``o_0 = 0``) scores 2.
+    ``weights`` ``(n, H·W)``."""
+    device = weights.device
+    group = scores.shape[1]
+    a = torch.tensor([o[0] for o in offsets], device=device)
+    b = torch.tensor([o[1] for o in offsets], device=device)
+    rows = torch.arange(len(offsets), device=device)[None, :]
+    # a chunk of references at a time: their candidates' indices are int64, 2 per offset
+    for start in range(0, refs.numel(), CHUNK):
+        here = refs[start : start + CHUNK]
+        cy, cx = here // width, here % width
+        # w_o(x) pairs x with x + o: a reference r meets r + o in w_o(r), and r − o in w_o(r − o)
+        ty, tx = cy[:, None] + a, cx[:, None] + b
+        sy, sx = cy[:, None] - a, cx[:, None] - b
+        ahead = (ty >= 0) & (ty < height) & (tx >= 0) & (tx < width)
+        behind = (sy >= 0) & (sy < height) & (sx >= 0) & (sx < width) & ((a != 0) | (b != 0))
+        forward = (ty * width + tx).clamp(0, height * width - 1)
+        backward = (sy * width + sx).clamp(0, height * width - 1)
+        # a candidate outside the image scores −1, under any weight: at least K lie inside
+        found = torch.cat(
+            [
+                torch.where(ahead, weights[rows, here[:, None].expand_as(forward)], -1.0),
+                torch.where(behind, weights[rows, backward], -1.0),
+            ],
+            dim=1,
+        )
+        if self_first:
+            found[:, 0] = 2.0  # the reference first (offset (0, 0)), whatever ties at weight 1
+        kept = slice(start, start + CHUNK)
+        # stable, so that ties keep the order the candidates came in (the compiled loop's too)
+        best = torch.cat([scores[kept], found], dim=1).sort(dim=1, descending=True, stable=True)
+        scores[kept] = best.values[:, :group]
+        chosen = best.indices[:, :group]
+        members[kept] = torch.cat([members[kept], forward, backward], dim=1).gather(1, chosen)
 
 
 def collaborative(

@@ -323,3 +323,49 @@ int NAME(kdeq_distances)(const real *P, int c, int B, int H, int W, int p, const
     }
     return failed;
 }
+
+/* Block matching's running selection (kdeq.collab.matches), for the references [g0, g1): reference
+   g at pixel r = refs[g] of an H×W image keeps its K best candidates so far, scores[g] highest first
+   and members[g] their pixels. The n offsets o_j = (da[j], db[j]) give, in this order, every forward
+   candidate z = r + o_j inside the image with score w[j](r), then every backward one z = r − o_j
+   (o_j ≠ 0) inside it with score w[j](r − o_j); w (n, H, W). `self` scores the candidate of o_0 = 0,
+   the reference itself, 2 (above any weight). A candidate enters after every entry of at least its
+   score: the lists are a stable sort, highest first, of all candidates in the order they came. */
+static void NAME(select_refs)(const real *w, int n, const int *da, const int *db, int H, int W,
+                              const long *refs, real *scores, long *members, int K, int self, long g0,
+                              long g1) {
+    size_t plane = (size_t)H * W;
+    for (long g = g0; g < g1; ++g) {
+        long r = refs[g];
+        int ry = (int)(r / W), rx = (int)(r % W);
+        real *s = scores + (size_t)g * K;
+        long *m = members + (size_t)g * K;
+        for (int back = 0; back < 2; ++back) {
+            for (int j = 0; j < n; ++j) {
+                int a = back ? -da[j] : da[j], b = back ? -db[j] : db[j];
+                int zy = ry + a, zx = rx + b;
+                if ((back && a == 0 && b == 0) || zy < 0 || zy >= H || zx < 0 || zx >= W) continue;
+                long z = (long)zy * W + zx;
+                real v = w[(size_t)j * plane + (size_t)(back ? z : r)];
+                if (self && !back && j == 0) v = 2;
+                if (!(v > s[K - 1])) continue;
+                int at = K - 1;
+                for (; at > 0 && s[at - 1] < v; --at) {
+                    s[at] = s[at - 1];
+                    m[at] = m[at - 1];
+                }
+                s[at] = v;
+                m[at] = z;
+            }
+        }
+    }
+}
+
+void NAME(kdeq_select)(const real *w, int n, const int *da, const int *db, int H, int W, const long *refs,
+                       long G, real *scores, long *members, int K, int self, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int i = omp_get_thread_num(), k = omp_get_num_threads();
+        NAME(select_refs)(w, n, da, db, H, W, refs, scores, members, K, self, G * i / k, G * (i + 1) / k);
+    }
+}

@@ -47,6 +47,8 @@ SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11")
 #: rows below which a call runs on one thread (a thread's start costs more than a few rows' work)
 MIN_ROWS_PER_THREAD = 16
+#: block matching's references below which its selection runs on one thread
+MIN_REFS_PER_THREAD = 256
 
 log = logging.getLogger("kdeq.native")
 
@@ -325,3 +327,43 @@ def weights(
         _ptr(out),
     )
     _rows(_fn("kdeq_distances", padded.dtype), height, args)
+
+
+def select(
+    weights: torch.Tensor,
+    offsets: Sequence[tuple[int, int]],
+    self_first: bool,
+    refs: torch.Tensor,
+    height: int,
+    width: int,
+    scores: torch.Tensor,
+    members: torch.Tensor,
+) -> None:
+    """Block matching's running selection in place (``kdeq.collab.matches``): each reference ``r`` of
+    ``refs`` ``(G,)`` (flat pixels of an ``height × width`` image) keeps its ``K`` best candidates,
+    ``scores`` ``(G, K)`` highest first and ``members`` ``(G, K)`` (int64) their pixels; the offsets'
+    candidates, forward ``r + o_j`` (score ``weights[j](r)``) then backward ``r − o_j`` (score
+    ``weights[j](r − o_j)``), those outside the image left out, enter after every entry of at least
+    their score (a stable sort, highest first); with ``self_first`` the reference's own (``o_0 = 0``)
+    scores 2. ``weights`` ``(n, H·W)``."""
+    weights, refs = _contiguous(weights, refs)
+    _writable(scores, members)
+    assert members.dtype == refs.dtype == torch.int64 and scores.dtype == weights.dtype
+    count = refs.numel()
+    threads = max(1, min(torch.get_num_threads(), count // MIN_REFS_PER_THREAD))
+    args = (
+        _ptr(weights),
+        len(offsets),
+        _ints([a for a, _ in offsets]),
+        _ints([b for _, b in offsets]),
+        height,
+        width,
+        _ptr(refs),
+        ctypes.c_long(count),
+        _ptr(scores),
+        _ptr(members),
+        scores.shape[1],
+        int(self_first),
+        threads,
+    )
+    _fn("kdeq_select", weights.dtype)(*args)

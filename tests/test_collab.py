@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq import collab
+from kdeq import collab, native
 from kdeq.adaptive import GuidedOperator
 from kdeq.checkpoint import load_checkpoint
 from kdeq.guidenet import Refine
@@ -109,12 +109,15 @@ def explicit_patches(image: np.ndarray, p: int) -> dict[tuple[int, int], np.ndar
         (4, 1),
     ],
 )
-def test_groups_are_the_nearest_patches_of_the_window(r, p) -> None:
+@pytest.mark.parametrize("loops", ["native", "loop"])
+def test_groups_are_the_nearest_patches_of_the_window(r, p, loops) -> None:
     """Every reference's group is itself, then the patches (radius ``p``) of its window (radius ``r``)
-    nearest to it, by a brute-force search over explicit patches (a random image)."""
+    nearest to it, by a brute-force search over explicit patches (a random image), by the compiled
+    selection and by torch's."""
     gen = torch.Generator().manual_seed(0)
     image = torch.rand(2, 23, 31, generator=gen)
-    refs, members = collab.matches(image, 0.1, 8, r, p)
+    with native.choice.force(loops):
+        refs, members = collab.matches(image, 0.1, 8, r, p)
     patches = explicit_patches(image.double().numpy(), p)
     height, width = image.shape[1:]
     assert refs.tolist() == [i * width + j for i in collab.grid(height) for j in collab.grid(width)]

@@ -108,6 +108,46 @@ def test_results_do_not_depend_on_how_many_threads_share_the_rows(patches) -> No
             assert torch.equal(a, b)
 
 
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("image", ["noisy", "levels", "flat"])
+def test_block_matchings_compiled_selection_is_torchs_bit_for_bit(monkeypatch, image, dtype) -> None:
+    """``native.select`` and ``collab.running_best`` on the same weight maps, a part of the offsets at
+    a time as ``collab.matches`` calls them: the same scores and members, in the same order, where
+    candidates tie too (an image of eight grey levels, a flat one, whose every weight is 1), and the
+    same on 1, 2 or 3 threads."""
+    from kdeq import collab
+    from kdeq.adaptive import half_offsets
+
+    gen = torch.Generator().manual_seed(11)
+    guide = torch.rand(1, 1, 47, 52, generator=gen, dtype=dtype)
+    guide = {"noisy": guide, "levels": (guide * 8).round() / 8, "flat": torch.zeros_like(guide)}[image]
+    height, width = guide.shape[-2:]
+    refs = (collab.grid(height)[:, None] * width + collab.grid(width)[None, :]).reshape(-1)
+    offsets = half_offsets(5)
+    flat = torch.ones(11, 11, dtype=dtype)
+    monkeypatch.setattr(native, "MIN_REFS_PER_THREAD", 1)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for name, count in (("loop", 2), ("native", 1), ("native", 2), ("native", 3)):
+            torch.set_num_threads(count)
+            scores = guide.new_full((refs.numel(), 8), -2.0)
+            members = torch.zeros(refs.numel(), 8, dtype=torch.long)
+            for first in range(0, len(offsets), 16):
+                part = offsets[first : first + 16]
+                weights = guided_weights(guide, flat, 2, torch.tensor([0.5], dtype=dtype), offsets=part)
+                weights = weights[0].reshape(len(part), -1)
+                select = collab.running_best if name == "loop" else native.select
+                select(weights, part, first == 0, refs, height, width, scores, members)
+            results.append((scores, members))
+    finally:
+        torch.set_num_threads(threads)
+    for scores, members in results[1:]:
+        assert torch.equal(scores, results[0][0]) and torch.equal(members, results[0][1])
+    assert torch.equal(results[0][1][:, 0], refs)  # the reference first
+
+
 def test_autograd_and_other_devices_use_torchs_loops(built) -> None:
     """The compiled loops have no backward: a guide to differentiate takes torch's path, and its
     weights carry the gradient."""
