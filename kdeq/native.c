@@ -10,6 +10,7 @@
    Compiled twice, with REAL float (names ending _f) and double (_d). Arrays are contiguous,
    row-major: maps (B, channels, H, W). An offset o_j = (da[j], db[j]) is (row, column). */
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -332,20 +333,20 @@ int NAME(kdeq_distances)(const real *P, int c, int B, int H, int W, int p, const
    the reference itself, 2 (above any weight). A candidate enters after every entry of at least its
    score: the lists are a stable sort, highest first, of all candidates in the order they came. */
 static void NAME(select_refs)(const real *w, int n, const int *da, const int *db, int H, int W,
-                              const long *refs, real *scores, long *members, int K, int self, long g0,
-                              long g1) {
+                              const int64_t *refs, real *scores, int64_t *members, int K, int self,
+                              int64_t g0, int64_t g1) {
     size_t plane = (size_t)H * W;
-    for (long g = g0; g < g1; ++g) {
-        long r = refs[g];
+    for (int64_t g = g0; g < g1; ++g) {
+        int64_t r = refs[g];
         int ry = (int)(r / W), rx = (int)(r % W);
         real *s = scores + (size_t)g * K;
-        long *m = members + (size_t)g * K;
+        int64_t *m = members + (size_t)g * K;
         for (int back = 0; back < 2; ++back) {
             for (int j = 0; j < n; ++j) {
                 int a = back ? -da[j] : da[j], b = back ? -db[j] : db[j];
                 int zy = ry + a, zx = rx + b;
                 if ((back && a == 0 && b == 0) || zy < 0 || zy >= H || zx < 0 || zx >= W) continue;
-                long z = (long)zy * W + zx;
+                int64_t z = (int64_t)zy * W + zx;
                 real v = w[(size_t)j * plane + (size_t)(back ? z : r)];
                 if (self && !back && j == 0) v = 2;
                 if (!(v > s[K - 1])) continue;
@@ -361,8 +362,9 @@ static void NAME(select_refs)(const real *w, int n, const int *da, const int *db
     }
 }
 
-void NAME(kdeq_select)(const real *w, int n, const int *da, const int *db, int H, int W, const long *refs,
-                       long G, real *scores, long *members, int K, int self, int threads) {
+void NAME(kdeq_select)(const real *w, int n, const int *da, const int *db, int H, int W,
+                       const int64_t *refs, int64_t G, real *scores, int64_t *members, int K, int self,
+                       int threads) {
 #pragma omp parallel num_threads(threads)
     {
         int i = omp_get_thread_num(), k = omp_get_num_threads();

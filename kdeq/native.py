@@ -359,7 +359,7 @@ def select(
         height,
         width,
         _ptr(refs),
-        ctypes.c_long(count),
+        ctypes.c_int64(count),
         _ptr(scores),
         _ptr(members),
         scores.shape[1],

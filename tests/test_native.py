@@ -125,7 +125,7 @@ def test_block_matchings_compiled_selection_is_torchs_bit_for_bit(monkeypatch, i
     height, width = guide.shape[-2:]
     refs = (collab.grid(height)[:, None] * width + collab.grid(width)[None, :]).reshape(-1)
     offsets = half_offsets(5)
-    flat = torch.ones(11, 11, dtype=dtype)
+    window = torch.ones(11, 11, dtype=dtype)
     monkeypatch.setattr(native, "MIN_REFS_PER_THREAD", 1)
     threads = torch.get_num_threads()
     results = []
@@ -136,7 +136,7 @@ def test_block_matchings_compiled_selection_is_torchs_bit_for_bit(monkeypatch, i
             members = torch.zeros(refs.numel(), 8, dtype=torch.long)
             for first in range(0, len(offsets), 16):
                 part = offsets[first : first + 16]
-                weights = guided_weights(guide, flat, 2, torch.tensor([0.5], dtype=dtype), offsets=part)
+                weights = guided_weights(guide, window, 2, torch.tensor([0.5], dtype=dtype), offsets=part)
                 weights = weights[0].reshape(len(part), -1)
                 select = collab.running_best if name == "loop" else native.select
                 select(weights, part, first == 0, refs, height, width, scores, members)
