@@ -1,9 +1,9 @@
-"""The collaborative filter (``kdeq.collab``): its transforms against their formulas (the wavelets' against
-periodic filtering and their defining properties), its groups against
-a brute-force search over explicit patches, perfect reconstruction where nothing is shrunk, each
-stage against a float64 computation written out group by group, its reach on crops, and what it
-keeps of a repeated texture that a weighted mean of matches loses; its use by the refinement
-(``Refine.estimate``)."""
+"""The collaborative filter (``kdeq.collab``): its transforms against their formulas (the wavelets'
+against periodic filtering and their defining properties), its groups against a brute-force search
+over explicit patches (by the compiled selection and by torch's), perfect reconstruction where
+nothing is shrunk, each stage against a float64 computation written out group by group, its reach on
+crops, what it keeps of a repeated texture that a weighted mean of matches loses and what each first
+stage keeps; its use by the refinement (``Refine.estimate``)."""
 
 import math
 
@@ -42,8 +42,9 @@ def test_the_transforms_are_the_orthonormal_dct_and_haar() -> None:
 
 def periodic_wavelets(x: np.ndarray) -> np.ndarray:
     """The full-depth periodic ``bior1.5`` transform of ``x`` ``(n,)`` written as filtering: each level
-    convolves the approximation, wrapped around, with the analysis low-pass (``collab.BIOR_LOW``,
-    reversed for ``np.convolve``) and Haar's high-pass, keeps every second output, and recurses."""
+    takes, at every second position ``2k`` of the approximation wrapped around, the dot product of the
+    ten pixels from ``2k − 4`` with the analysis low-pass (``collab.BIOR_LOW``), and Haar's difference
+    of the pair ``(2k, 2k + 1)``, then recurses on the former."""
     low = math.sqrt(2) / 256 * np.array(collab.BIOR_LOW, dtype=float)
     details = []
     a = x.astype(float)
