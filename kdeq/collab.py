@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import torch
 
@@ -103,7 +104,8 @@ def haar_matrix(k: int) -> torch.Tensor:
 BIOR_LOW = (3, -3, -22, 22, 128, 128, 22, -22, -3, 3)
 #: the first stages (``Refine.first_stage``): the DCT's alone, or the mean of the DCT's and the
 #: biorthogonal wavelets' estimates
-FIRST_STAGES = ("dct", "dct+biorthogonal")
+FirstStage = Literal["dct", "dct+biorthogonal"]
+FIRST_STAGES = get_args(FirstStage)
 
 
 def biorthogonal_matrix(n: int) -> torch.Tensor:

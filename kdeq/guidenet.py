@@ -128,7 +128,7 @@ class Refine(BaseModel):
     estimate: Literal["nonlocal", "collaborative"] = "nonlocal"
     search_radius: int = Field(collab.SEARCH_RADIUS, ge=2, le=19)
     patch_radius: int = Field(collab.PATCH_RADIUS, ge=1, le=6)
-    first_stage: Literal["dct", "dct+biorthogonal"] = "dct"
+    first_stage: collab.FirstStage = "dct"
     blend: Literal["none", "sure"] = "none"
 
     @model_validator(mode="after")
