@@ -4,7 +4,10 @@
         [--model NAME[:VERSION]] [--colour] [--nlm]
 
 It starts ``python -m service`` on loopback (CPU, default models; ``--batch``
-sets ``KDEQ_MAX_BATCH_SIZE``, one server per value, else the service's default applies: 1 on a CPU).
+sets ``KDEQ_MAX_BATCH_SIZE``, one server per value, else the service's default applies: 1 on a CPU;
+the settings of the arithmetic, ``KDEQ_MALLOC``, ``KDEQ_NETWORK_PRECISION``, ``KDEQ_GUIDED_BACKEND`` and
+``KDEQ_CONV_BACKEND``, pass from this process's environment to the server's, every other ``KDEQ_``
+variable is dropped).
 For each image size and client count it first measures, in this process, one
 request's work without HTTP — decode the PNG, ``predict`` a batch of one,
 encode the PNG — and the throughput of that loop for ``--seconds``, then
@@ -46,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from kdeq import heap  # noqa: E402
 from kdeq.cli import test_image  # noqa: E402
 from kdeq.repository import find_reference, load_predictor  # noqa: E402
 from service.decode import decode_image  # noqa: E402
@@ -195,7 +199,10 @@ def start_server(
 ) -> subprocess.Popen:
     """A ``python -m service`` on ``port`` serving ``model`` on ``device``, once ready; the default
     model is the one of the in-process measurement beside it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_")}
+    # the settings that choose the arithmetic pass through, so that the server computes as this
+    # process's in-process measurement does; every other KDEQ_ variable is dropped
+    shared = {"KDEQ_MALLOC", "KDEQ_NETWORK_PRECISION", "KDEQ_GUIDED_BACKEND", "KDEQ_CONV_BACKEND"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_") or k in shared}
     env.update(
         KDEQ_PORT=str(port),
         KDEQ_DEVICE=device,
@@ -244,6 +251,7 @@ def main() -> None:
         "--batch-sizes", type=int, nargs="+", default=[2, 4, 8], help="in-process batch costs"
     )
     args = parser.parse_args()
+    heap.configure()  # the in-process side's heap as the server configures its own
     batches: list[int | None] = list(args.batch) if args.batch else [None]
     print(
         f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "

@@ -48,7 +48,9 @@ Sections (all by default; each prints a Markdown table):
 
 GPU figures come from ``bench/gpu.sh`` (``bench/gpu.py``), which runs the CUDA suite first.
 
-Times are the best of ``--repeat`` runs after a warm-up, with torch's default threads. Needs
+Times are the best of ``--repeat`` runs after a warm-up, with torch's default threads, and the C heap
+as the ``kdeq`` command and the service configure it (``kdeq.heap``; ``KDEQ_MALLOC=system`` leaves
+glibc's own thresholds). Needs
 ``../shared/data`` for the ``models`` section and the benchmark environment (scikit-image,
 opencv-python-headless, bm3d); they are benchmark references only, never dependencies of kdeq.
 """
@@ -71,7 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kdeq import native, netprecision  # noqa: E402
+from kdeq import heap, native, netprecision  # noqa: E402
 from kdeq.checkpoint import load_checkpoint  # noqa: E402
 from kdeq.deq import KGLMDEQ  # noqa: E402
 from kdeq.families import Gaussian  # noqa: E402
@@ -738,6 +740,8 @@ def main() -> None:
         json.dumps(
             {
                 "machine": platform.platform(),
+                # as the kdeq command and the service run it (KDEQ_MALLOC=system: glibc's own)
+                "malloc_keep": heap.configure(),
                 # the kernels torch runs (AVX2, AVX512, …): machines of one name differ in it, and the
                 # ratios to other methods moved with it (docs/BENCHMARKS.md, "another machine")
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),

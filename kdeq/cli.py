@@ -50,7 +50,7 @@ import torch
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from kdeq import batchrun, scaledpng
+from kdeq import batchrun, heap, scaledpng
 from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
 from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError, Result
 from kdeq.families import Gaussian
@@ -575,6 +575,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kdeq: command {plugin.name!r} unavailable: {err}", file=sys.stderr)
 
     args = parser.parse_args(argv)
+    try:
+        heap.configure()
+    except ValueError as err:
+        parser.error(str(err))
     if hasattr(args, "handler"):
         return args.handler(args)
     if args.command == "demo":

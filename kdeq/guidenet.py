@@ -371,9 +371,11 @@ def unshuffle(v: torch.Tensor) -> torch.Tensor:
 
 
 #: on a CPU, the most activation bytes (``N·channels·H'·W'·4``) one call of ``N_θ`` runs on: beyond
-#: it oneDNN spreads a batch's samples over the threads, each a whole image at a time, and a sample
-#: costs up to 1.5× what it costs alone (three 256² half-resolution samples, a 512² colour image's
-#: opponent channels: 327 against 220 ms each on this project's 2-core CPU; docs/BENCHMARKS.md)
+#: it a sample cost up to 1.5× what it costs alone (three 256² half-resolution samples, a 512² colour
+#: image's opponent channels: 327 against 220 ms each on this project's 2-core AVX2 CPU). On the Zen 5
+#: one, with the C heap's thresholds of ``kdeq.heap``, a batch within this bound costs what its samples
+#: cost alone, and those three samples in float32 (38 MiB of activations, above the heap's 32 MiB
+#: blocks) 1.34× as much (docs/BENCHMARKS.md)
 CPU_CALL_BYTES = 16 << 20
 
 

@@ -60,6 +60,14 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failed: str | None = None
 _compiler = ""  # the compiler's first line of --version
+_cache_pin: Path | None = None  # pin_cache's folder
+
+
+def pin_cache(folder: Path | None) -> None:
+    """Keep the compiled library in ``folder`` from now on, over ``KDEQ_NATIVE_CACHE`` (the service's
+    setting of that name); ``None`` drops the pin. A library already loaded stays loaded."""
+    global _cache_pin
+    _cache_pin = folder
 
 
 def _cpu() -> str:
@@ -75,7 +83,10 @@ def _cpu() -> str:
 def _cache_dir() -> Path:
     """``KDEQ_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/kdeq/native`` (``~/.cache`` by default); where that
     cannot be made or written (a service user without a home), a folder of the temporary directory
-    that only this user may write and that this user owns, since a library found there is loaded."""
+    that only this user may write and that this user owns, since a library found there is loaded;
+    ``pin_cache``'s folder over all of them."""
+    if _cache_pin is not None:
+        return _cache_pin
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     base = Path(os.environ.get("XDG_CACHE_HOME") or (Path.home() / ".cache")) / "kdeq" / "native"

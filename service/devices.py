@@ -12,8 +12,6 @@ anything else (the request's own fault, handled by the engine).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import gc
 import logging
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from kdeq import heap
 from kdeq.predictor import resolve_device
 
 log = logging.getLogger("kdeq.service")
@@ -46,7 +45,6 @@ STICKY_MESSAGES = (
 # uncorrectable, illegal address, launch timeout, assert, hardware stack error, illegal instruction,
 # misaligned address, invalid address space, invalid PC, launch failure
 STICKY_CUDA_CODES = frozenset({214, 700, 702, 710, 714, 715, 716, 717, 718, 719})
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
 
 
 def classify(err: BaseException) -> Failure | None:
@@ -106,13 +104,6 @@ def on_device(device: str) -> Iterator[None]:
         yield
 
 
-def trim_heap() -> None:
-    """Return freed heap memory to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
-    trim = getattr(_LIBC, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
 def release_memory(device: str) -> None:
     """Hand back memory after a solve ran out of it: collect the objects the failure left in
     reference cycles (an exception's frames can form them), then return the free blocks — the CUDA
@@ -122,4 +113,4 @@ def release_memory(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     else:
-        trim_heap()
+        heap.trim()

@@ -160,6 +160,21 @@ class Settings(BaseModel):
         "torch's loops where it does not build, logging which; `native` or `loop` pins one",
     )
 
+    native_cache: Path | None = Field(
+        None,
+        description="the folder the guided kernel's compiled loops are kept in (`KDEQ_GUIDED_BACKEND`; "
+        "unset: `~/.cache/kdeq/native`, else a private folder of the temporary directory): a volume where "
+        "the container's filesystem is read-only",
+    )
+    malloc: Literal["keep", "system"] = Field(
+        "keep",
+        description="the C heap's thresholds (`kdeq.heap`, glibc only): `keep` reuses freed blocks up to "
+        "32 MiB (a guide network's activations) from the heap instead of mapping fresh memory for each, "
+        "which the kernel faults in page by page, and keeps up to 256 MiB free before handing it back "
+        "(after a batch of 1 megapixel or more it is handed back at once); `system` leaves glibc's own "
+        "adaptive thresholds",
+    )
+
     @field_validator("models", "device", "warmup_sizes", mode="before")
     @classmethod
     def _split(cls, value: object) -> object:

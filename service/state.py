@@ -18,10 +18,10 @@ import logging
 import threading
 from typing import Literal
 
-from kdeq import backends, native, netprecision
+from kdeq import backends, heap, native, netprecision
 from kdeq.tasks import TASKS, Solved
 from kdeq.tiling import solve_requests
-from service.devices import choose_devices, classify, release_memory, select_device, trim_heap
+from service.devices import choose_devices, classify, release_memory, select_device
 from service.engine import Engine, Job
 from service.errors import ApiError, DeviceFailedError
 from service.metrics import Metrics
@@ -33,8 +33,8 @@ log = logging.getLogger("kdeq.service")
 Phase = Literal["starting", "ready", "draining", "stopped"]
 Readiness = Literal["ready", "starting", "draining", "stopped", "no_models", "workers_down", "device_failed"]
 
-# glibc keeps memory freed after a large solve for reuse, so the resident size stays at the largest
-# request's peak and wanders with fragmentation; after a batch this large it is handed back
+# the C heap keeps memory freed after a solve for reuse (kdeq.heap), so the resident size would stay
+# at the largest request's peak and wander with fragmentation; after a batch this large it is handed back
 TRIM_PIXELS = 1 << 20
 
 
@@ -43,9 +43,11 @@ class Service:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        heap.configure(settings.malloc)
         backends.pin(settings.conv_backend)
         netprecision.choice.pin(settings.network_precision)
         native.choice.pin(settings.guided_backend)
+        native.pin_cache(settings.native_cache)
         choice = choose_devices(settings.device)
         log.log(choice.level, "serving on %s: %s", ",".join(choice.devices), choice.reason)
         self.devices = choice.devices
@@ -217,7 +219,7 @@ class Service:
                 release_memory(device)
             raise refusal
         if sum(job.pixels for job in jobs) >= TRIM_PIXELS:
-            trim_heap()
+            heap.trim()
         outcomes: list[Solved | ApiError] = []
         for job, result in zip(jobs, solved, strict=True):
             self.metrics.observe_solve(

@@ -170,17 +170,21 @@ def test_the_environment_variable_pins_the_implementation(built, monkeypatch) ->
         native.enabled(x)
 
 
-def test_the_service_pins_its_setting(tmp_path) -> None:
+def test_the_service_pins_its_settings(tmp_path, monkeypatch) -> None:
+    """``KDEQ_GUIDED_BACKEND`` and ``KDEQ_NATIVE_CACHE``, the latter over the variable itself."""
     from service.settings import Settings
     from service.state import Service
 
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path / "elsewhere"))
     try:
         Service(Settings(models_dir=tmp_path, device=("cpu",), guided_backend="loop", warmup=False))
         assert native.choice.pinned() == "loop" and not native.enabled(torch.rand(1, 1, 4, 4))
-        Service(Settings(models_dir=tmp_path, device=("cpu",), warmup=False))
-        assert native.choice.pinned() is None
+        assert native._cache_dir() == tmp_path / "elsewhere"
+        Service(Settings(models_dir=tmp_path, device=("cpu",), native_cache=tmp_path / "cache", warmup=False))
+        assert native.choice.pinned() is None and native._cache_dir() == tmp_path / "cache"
     finally:
         native.choice.pin("auto")
+        native.pin_cache(None)
 
 
 @pytest.fixture

@@ -27,6 +27,8 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
             "KDEQ_CONV_BACKEND": "prepadded",
             "KDEQ_NETWORK_PRECISION": "bfloat16",
             "KDEQ_GUIDED_BACKEND": "loop",
+            "KDEQ_MALLOC": "system",
+            "KDEQ_NATIVE_CACHE": str(tmp_path / "native"),
             "PATH": "/bin",
         }
     )
@@ -34,6 +36,8 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
     assert s.device == ("cpu",) and s.devices() == ["cpu"]
     assert (s.port, s.max_batch_size, s.batch_wait_seconds, s.warmup) == (9000, 4, 0.01, False)
     assert (s.conv_backend, s.network_precision, s.guided_backend) == ("prepadded", "bfloat16", "loop")
+    assert (s.malloc, Settings().malloc) == ("system", "keep")
+    assert (s.native_cache, Settings().native_cache) == (tmp_path / "native", None)
     assert s.api_key.get_secret_value() == "s3cr3t-key" and "s3cr3t" not in repr(s)
     assert Settings.from_env({"KDEQ_PORT": "9000"}, port=9100).port == 9100
 
@@ -50,6 +54,7 @@ def test_settings_parse_typed_values_from_the_environment(tmp_path) -> None:
         ({"KDEQ_LOG_LEVEL": "loud"}, "KDEQ_LOG_LEVEL"),
         ({"KDEQ_CONV_BACKEND": "winograd"}, "KDEQ_CONV_BACKEND"),
         ({"KDEQ_NETWORK_PRECISION": "float16"}, "KDEQ_NETWORK_PRECISION"),
+        ({"KDEQ_MALLOC": "jemalloc"}, "KDEQ_MALLOC"),
         ({"KDEQ_REQUEST_TIMEOUT_SECONDS": "-1"}, "KDEQ_REQUEST_TIMEOUT_SECONDS"),
         ({"KDEQ_API_KEY": ""}, "KDEQ_API_KEY"),  # an empty key must not silently turn auth off
         ({"KDEQ_TILE_SIZE": "63"}, "KDEQ_TILE_SIZE"),

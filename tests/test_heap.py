@@ -1,0 +1,100 @@
+"""The C heap's thresholds (``kdeq.heap``): freed blocks reused under ``keep``, in processes of their
+own (the thresholds are the process's), and the option's parsing where the command line reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kdeq import heap
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Blocks made, written and freed as a guide network's layers make their activations: first one of
+# each size from 4 to 13 MiB, as a process's first solves of growing images; then rounds of three
+# 9 MiB blocks, as the layers of one size. Under glibc's own thresholds each block larger than any
+# freed before is a mapping of its own, faulted in page by page; under ``keep`` it comes from the
+# heap, which grows by the difference, and the rounds reuse what the heap holds.
+BLOCKS = """
+import json, resource, torch
+from kdeq import heap
+applied = heap.configure()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def make(*sizes):
+    live = [torch.empty(size // 4).fill_(1.0) for size in sizes]
+    del live
+start = faults()
+for mib in range(4, 14):
+    make(mib << 20)
+growing = faults() - start
+for _ in range(10):  # the heap's layout settles (a block's alignment leaves gaps at first)
+    make(*[9 << 20] * 3)
+start = faults()
+for _ in range(20):
+    make(*[9 << 20] * 3)
+rounds = faults() - start
+pages = (1 << 20) // resource.getpagesize()  # a MiB's
+print(json.dumps({"applied": applied, "growing": growing, "growing_pages": sum(range(4, 14)) * pages,
+                  "rounds": rounds, "block_pages": 9 * pages}))
+"""
+
+glibc = pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="the thresholds are glibc's"
+)
+
+
+def blocks(option: str) -> dict:
+    """``BLOCKS`` in a fresh interpreter with ``KDEQ_MALLOC=option``: what it printed."""
+    env = {**os.environ, heap.ENV: option}
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKS], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@glibc
+def test_keep_reuses_freed_blocks_where_glibc_maps_fresh_ones() -> None:
+    kept, system = blocks("keep"), blocks("system")
+    assert kept["applied"] is True and system["applied"] is False
+    # glibc's own thresholds fault in every growing block whole; keep, about the largest once
+    assert system["growing"] >= 0.9 * system["growing_pages"], system
+    assert kept["growing"] <= 0.5 * kept["growing_pages"], kept
+    # and under keep twenty rounds of one size take not one block's pages
+    assert kept["rounds"] < kept["block_pages"], kept
+
+
+def test_option_from_the_argument_the_environment_or_keep(monkeypatch) -> None:
+    monkeypatch.delenv(heap.ENV, raising=False)
+    assert heap.option() == "keep"
+    monkeypatch.setenv(heap.ENV, "system")
+    assert (heap.option(), heap.option("keep")) == ("system", "keep")
+    monkeypatch.setenv(heap.ENV, "tcmalloc")
+    with pytest.raises(ValueError, match="KDEQ_MALLOC"):
+        heap.option()
+
+
+@glibc
+def test_system_after_keep_is_refused() -> None:
+    code = (
+        "from kdeq import heap\n"
+        "assert heap.configure('system') is False and heap.configure('keep') is True\n"
+        "assert heap.configure('keep') is True\n"
+        "try:\n    heap.configure('system')\nexcept ValueError as err:\n    print(err)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "KDEQ_MALLOC=system" in done.stdout
+
+
+def test_the_command_line_refuses_an_unknown_option() -> None:
+    env = {**os.environ, heap.ENV: "jemalloc"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kdeq", "models"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "KDEQ_MALLOC" in done.stderr
