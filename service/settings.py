@@ -168,11 +168,11 @@ class Settings(BaseModel):
     )
     malloc: Literal["keep", "system"] = Field(
         "keep",
-        description="the C heap's thresholds (`kdeq.heap`, glibc only): `keep` reuses freed blocks up to "
+        description="the C heap's settings (`kdeq.heap`, glibc only): `keep` reuses freed blocks up to "
         "32 MiB (a guide network's activations) from the heap instead of mapping fresh memory for each, "
-        "which the kernel faults in page by page, and keeps up to 256 MiB free before handing it back "
-        "(after a batch of 1 megapixel or more it is handed back at once); `system` leaves glibc's own "
-        "adaptive thresholds",
+        "which the kernel faults in page by page, keeps up to 256 MiB free before handing it back (after "
+        "a batch of 1 megapixel or more it is handed back at once) and gives the worker threads the main "
+        "heap rather than arenas of their own; `system` leaves glibc's own adaptive settings",
     )
 
     @field_validator("models", "device", "warmup_sizes", mode="before")

@@ -20,9 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # each size from 4 to 13 MiB, as a process's first solves of growing images; then rounds of three
 # 9 MiB blocks, as the layers of one size. Under glibc's own thresholds each block larger than any
 # freed before is a mapping of its own, faulted in page by page; under ``keep`` it comes from the
-# heap, which grows by the difference, and the rounds reuse what the heap holds.
+# heap, which grows by the difference, and the rounds reuse what the heap holds. A thread's tensors
+# come from the main heap under ``keep``; under glibc's own settings from an arena of the thread's.
 BLOCKS = """
-import json, resource, torch
+import json, resource, threading, torch
 from kdeq import heap
 applied = heap.configure()
 def faults():
@@ -40,9 +41,20 @@ start = faults()
 for _ in range(20):
     make(*[9 << 20] * 3)
 rounds = faults() - start
+def heap_range():
+    line = next(ln for ln in open("/proc/self/maps") if ln.rstrip().endswith("[heap]"))
+    return [int(part, 16) for part in line.split()[0].split("-")]
+def in_thread():  # as the service's worker does: where a thread's tensors come from
+    global threaded
+    block = torch.empty((1 << 20) // 4)
+    low, high = heap_range()
+    threaded = low <= block.data_ptr() < high
+worker = threading.Thread(target=in_thread)
+worker.start()
+worker.join()
 pages = (1 << 20) // resource.getpagesize()  # a MiB's
 print(json.dumps({"applied": applied, "growing": growing, "growing_pages": sum(range(4, 14)) * pages,
-                  "rounds": rounds, "block_pages": 9 * pages}))
+                  "rounds": rounds, "threaded": threaded, "block_pages": 9 * pages}))
 """
 
 glibc = pytest.mark.skipif(
@@ -60,7 +72,7 @@ def blocks(option: str) -> dict:
 
 
 @glibc
-def test_keep_reuses_freed_blocks_where_glibc_maps_fresh_ones() -> None:
+def test_keep_reuses_freed_blocks_and_gives_threads_the_main_heap() -> None:
     kept, system = blocks("keep"), blocks("system")
     assert kept["applied"] is True and system["applied"] is False
     # glibc's own thresholds fault in every growing block whole; keep, about the largest once
@@ -68,6 +80,7 @@ def test_keep_reuses_freed_blocks_where_glibc_maps_fresh_ones() -> None:
     assert kept["growing"] <= 0.5 * kept["growing_pages"], kept
     # and under keep twenty rounds of one size take not one block's pages
     assert kept["rounds"] < kept["block_pages"], kept
+    assert kept["threaded"] is True and system["threaded"] is False
 
 
 def test_option_from_the_argument_the_environment_or_keep(monkeypatch) -> None:
