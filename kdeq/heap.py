@@ -72,10 +72,11 @@ def option(name: str | None = None) -> str:
 
 
 def configure(name: str | None = None) -> bool:
-    """Set the C heap's thresholds by ``option(name)``; see the module docstring. True where
-    ``keep`` took effect (glibc); False for ``system`` and where the C library has no such
-    thresholds. Once ``keep`` is set, ``system`` cannot bring glibc's adaptive thresholds back:
-    ``ValueError``."""
+    """Set the C heap's thresholds and arenas by ``option(name)``; see the module docstring. True
+    where ``keep`` took effect (glibc); False for ``system`` and where the C library has no such
+    settings. Once ``keep`` is set, ``system`` cannot bring glibc's adaptive thresholds back:
+    ``ValueError``. A thread that allocated before keeps the arena it has, so the service and the
+    command line call this before they start theirs."""
     global _applied
     chosen = option(name)
     with _lock:
