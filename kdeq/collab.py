@@ -58,9 +58,15 @@ GROUP_WIENER = 16
 THRESHOLD = 2.7
 #: the Kaiser window's β over a patch
 KAISER_BETA = 2.0
-#: reference patches matched at a time, and filtered at a time in groups of 16 grey 7×7 patches (fewer
-#: for larger ones, ``filtered``): a 512² image's groups are ~23 M values at once otherwise
+#: reference patches matched at a time by torch's loop, and filtered at a time off the CPU in groups
+#: of 16 grey 7×7 patches (fewer for larger ones, ``filtered``): a 512² image's groups are ~23 M
+#: values at once otherwise
 CHUNK = 4096
+#: the groups filtered at a time on a CPU, counted as ``CHUNK``'s: each array of a chunk then stays
+#: within the blocks the C heap reuses (``kdeq.heap``), and in the cache longer. Against 4096,
+#: ``denoise-kglm-collab:5`` took 0.91 of the time on grey 512² images and the 4-megapixel mosaic in
+#: tiles 0.97 of the time at 0.81 of the peak memory, bit for bit the same (docs/BENCHMARKS.md)
+CPU_CHUNK = 1024
 #: offsets whose patch distances are held at once while matching (of the window's ``((2R + 1)² − 1)/2``)
 OFFSETS_AT_ONCE = 16
 
@@ -343,10 +349,12 @@ def filtered(
     threshold = THRESHOLD * sigma
     if basis != "dct":
         threshold = (threshold * transform.norm(dim=1)).to(y.device, y.dtype)
-    # as many groups at a time as CHUNK groups of the default grey patches hold values: larger
-    # patches' chunks are smaller, so that their arrays, not the image's, set the filter's peak memory
+    # as many groups at a time as CHUNK (on a CPU, CPU_CHUNK) groups of the default grey patches hold
+    # values: larger patches' chunks are smaller, so that their arrays, not the image's, set the
+    # filter's peak memory
     default = GROUP_HARD * (2 * PATCH_RADIUS + 1) ** 2
-    chunk = max(1, CHUNK * default // (group * n * n * c))
+    at_once = CPU_CHUNK if y.device.type == "cpu" else CHUNK
+    chunk = max(1, at_once * default // (group * n * n * c))
     for start in range(0, refs.numel(), chunk):
         pixels = centre[members[start : start + chunk]][..., None] + spread  # (g, K, n²)
         spectrum = transformed(noisy[:, pixels].permute(1, 2, 0, 3), stack, transform)

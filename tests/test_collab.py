@@ -270,7 +270,7 @@ def test_filtering_a_few_groups_at_a_time_gives_the_same_estimate(monkeypatch, p
     basic = collab.filtered(y, y, 0.1, "hard", patch_radius=p)
     second = collab.filtered(y, basic, 0.1, "wiener", patch_radius=p)
     wavelets = collab.filtered(y, y, 0.1, "hard", patch_radius=4, basis="biorthogonal")
-    monkeypatch.setattr(collab, "CHUNK", 2)
+    monkeypatch.setattr(collab, "CPU_CHUNK", 2)
     assert torch.allclose(collab.filtered(y, y, 0.1, "hard", patch_radius=p), basic, atol=1e-12)
     assert torch.allclose(collab.filtered(y, basic, 0.1, "wiener", patch_radius=p), second, atol=1e-12)
     again = collab.filtered(y, y, 0.1, "hard", patch_radius=4, basis="biorthogonal")
