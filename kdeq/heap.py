@@ -55,7 +55,8 @@ _M_ARENA_MAX = -8
 log = logging.getLogger("kdeq.heap")
 
 _lock = threading.Lock()
-_applied: str | None = None  # the option configure carried out last, once it has
+_applied: str | None = None  # the option configure carried out, once it has
+_kept = False  # whether keep's settings took effect
 
 
 def _libc() -> ctypes.CDLL:
@@ -71,34 +72,37 @@ def option(name: str | None = None) -> str:
     return chosen
 
 
+def _keep() -> bool:
+    """``keep``'s settings through glibc's ``mallopt``; whether all took effect."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    # glibc returns 1 for a parameter it set; musl's mallopt is a stub that returns 0
+    return mallopt is not None and all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (_M_ARENA_MAX, ARENAS),
+        )
+    )
+
+
 def configure(name: str | None = None) -> bool:
-    """Set the C heap's thresholds and arenas by ``option(name)``; see the module docstring. True
-    where ``keep`` took effect (glibc); False for ``system`` and where the C library has no such
-    settings. Once ``keep`` is set, ``system`` cannot bring glibc's adaptive thresholds back:
-    ``ValueError``. A thread that allocated before keeps the arena it has, so the service and the
-    command line call this before they start theirs."""
-    global _applied
+    """Set the C heap's thresholds and arenas by ``option(name)``, once a process, and log them at
+    each call (the service's log is set up after the command line's call); see the module
+    docstring. True where ``keep`` took effect (glibc); False for ``system`` and where the C library
+    has no such settings. Once ``keep`` is set, ``system`` cannot bring glibc's adaptive thresholds
+    back: ``ValueError``. A thread that allocated before keeps the arena it has, so the service and
+    the command line call this before they start theirs."""
+    global _applied, _kept
     chosen = option(name)
     with _lock:
-        if _applied == chosen:
-            return chosen == "keep"
-        if _applied == "keep":
+        if _applied == "keep" and chosen == "system":
             raise ValueError(f"{ENV}={chosen}: the heap's thresholds are already fixed in this process")
-        if chosen == "system":
+        if _applied != chosen:
+            _kept = chosen == "keep" and _keep()
             _applied = chosen
-            return False
-        mallopt = getattr(_libc(), "mallopt", None)
-        # glibc returns 1 for a parameter it set; musl's mallopt is a stub that returns 0
-        done = mallopt is not None and all(
-            mallopt(param, value) == 1
-            for param, value in (
-                (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
-                (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                (_M_ARENA_MAX, ARENAS),
-            )
-        )
-        _applied = chosen
-    if done:
+        kept = _kept
+    if kept:
         log.info(
             "C heap: blocks up to %d MiB reused, %d MiB kept free at its top, %d arena (%s=keep)",
             MMAP_THRESHOLD >> 20,
@@ -106,9 +110,11 @@ def configure(name: str | None = None) -> bool:
             ARENAS,
             ENV,
         )
-    else:
+    elif chosen == "keep":
         log.info("C heap: this C library's malloc has no thresholds to set; left as it is")
-    return done
+    else:
+        log.info("C heap: glibc's own thresholds and arenas (%s=system)", ENV)
+    return kept
 
 
 def trim() -> None:

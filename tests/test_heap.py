@@ -4,6 +4,7 @@ own (the thresholds are the process's), and the option's parsing where the comma
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -111,3 +112,20 @@ def test_the_command_line_refuses_an_unknown_option() -> None:
         [sys.executable, "-m", "kdeq", "models"], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert done.returncode == 2 and "KDEQ_MALLOC" in done.stderr
+
+
+def test_a_c_library_without_the_thresholds_is_left_as_it_is_and_said_so(monkeypatch, caplog) -> None:
+    """musl's ``mallopt`` is a stub that returns 0: ``keep`` reports that nothing took effect, at
+    every call, and logs it each time (the service's log is set up after the command line's call)."""
+
+    class Stub:
+        @staticmethod
+        def mallopt(param: int, value: int) -> int:
+            return 0
+
+    monkeypatch.setattr(heap, "_libc", Stub)
+    monkeypatch.setattr(heap, "_applied", None)
+    monkeypatch.setattr(heap, "_kept", False)
+    with caplog.at_level(logging.INFO, logger="kdeq.heap"):
+        assert heap.configure("keep") is False and heap.configure("keep") is False
+    assert caplog.text.count("no thresholds to set") == 2
