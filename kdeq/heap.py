@@ -35,6 +35,7 @@ library is not glibc, ``configure`` does nothing and says so in the log.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -59,8 +60,10 @@ _applied: str | None = None  # the option configure carried out, once it has
 _kept = False  # whether keep's settings took effect
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    """The C library the process runs on (its symbols, through ``dlopen(NULL)``)."""
+    """The C library the process runs on (its symbols, through ``dlopen(NULL)``), opened once:
+    ``trim`` runs after every large batch."""
     return ctypes.CDLL(None)
 
 
