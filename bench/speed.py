@@ -736,12 +736,13 @@ def main() -> None:
     )
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
     args = parser.parse_args()
+    # the C heap as the kdeq command and the service configure it (KDEQ_MALLOC=system: glibc's own)
+    kept = heap.configure()
     print(
         json.dumps(
             {
                 "machine": platform.platform(),
-                # as the kdeq command and the service run it (KDEQ_MALLOC=system: glibc's own)
-                "malloc_keep": heap.configure(),
+                "malloc_keep": kept,
                 # the kernels torch runs (AVX2, AVX512, …): machines of one name differ in it, and the
                 # ratios to other methods moved with it (docs/BENCHMARKS.md, "another machine")
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
