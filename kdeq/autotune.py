@@ -6,6 +6,12 @@ pins one of them, the pins made in the process (``pin``, the service's setting) 
 (``force``), and the choices measured so far. ``decide`` measures a shape class's options the first
 time it meets the class, keeps the first option in preference order within ``MARGIN`` of the
 fastest, so that timing noise does not flip a close choice between runs, and logs it.
+
+``compare`` times the options in turns (one call of each per round) and keeps each one's fastest
+call: a neighbour's burst of load, which on a shared machine can slow a call several times over,
+then falls on every option's calls alike instead of on whichever option was being timed, and a
+call it slowed does not count. Timing one option's runs after another's let a busy second made the
+wrong choice for the life of the process (a CPU with bfloat16 units chose float32).
 ``kdeq.backends`` (the zero-border convolutions) and ``kdeq.netprecision`` (the guide network's
 arithmetic) are the two choices.
 """
@@ -21,8 +27,8 @@ from contextlib import contextmanager
 
 #: how much faster an option must measure to be chosen over one listed before it
 MARGIN = 1.2
-#: timed runs per option after one warm-up; the median counts
-RUNS = 3
+#: timed rounds after one warm-up call of each option; each option's fastest call counts
+RUNS = 5
 
 
 def bucket(n: int) -> int:
@@ -30,15 +36,20 @@ def bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def median_seconds(fn: Callable[[], object], runs: int = RUNS) -> float:
-    """The median wall-clock seconds of ``runs`` calls of ``fn``, after one call to warm it up."""
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[runs // 2]
+def compare(options: dict[str, Callable[[], object]], runs: int = RUNS) -> dict[str, float]:
+    """The fastest of ``runs`` wall-clock timings of each of ``options`` (name → call), after one
+    warm-up call of each; the calls interleave, round by round, each round starting at the next
+    option, so that a slow spell of the machine lands on every option (module docstring)."""
+    names = list(options)
+    for name in names:
+        options[name]()
+    best = dict.fromkeys(names, float("inf"))
+    for round_ in range(runs):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            start = time.perf_counter()
+            options[name]()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def choose(times: dict[str, float], order: Sequence[str]) -> str:

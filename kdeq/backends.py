@@ -99,10 +99,10 @@ def candidates(bank: torch.Tensor) -> list[str]:
 
 
 def measure(x: torch.Tensor, bank: torch.Tensor) -> dict[str, float]:
-    """Median seconds of each of ``candidates(bank)`` on ``x`` and ``bank`` (no autograd), after a
-    warm-up."""
+    """Seconds of each of ``candidates(bank)`` on ``x`` and ``bank`` (no autograd), timed in turns
+    (``autotune.compare``)."""
     with torch.no_grad():
-        return {n: autotune.median_seconds(lambda n=n: BACKENDS[n](x, bank)) for n in candidates(bank)}
+        return autotune.compare({n: lambda n=n: BACKENDS[n](x, bank) for n in candidates(bank)})
 
 
 def choose(times: dict[str, float]) -> str:

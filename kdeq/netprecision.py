@@ -52,19 +52,19 @@ def shape_class(h: torch.Tensor, features: int) -> tuple:
 
 
 def measure(h: torch.Tensor, features: int) -> dict[str, float]:
-    """Median seconds of one hidden layer (``features → features``, 3×3, channels-last, as
-    ``kdeq.guidenet`` runs it) on ``h``'s batch and sides, in each of ``DTYPES``, after a warm-up."""
+    """Seconds of one hidden layer (``features → features``, 3×3, channels-last, as ``kdeq.guidenet``
+    runs it) on ``h``'s batch and sides, in each of ``DTYPES``, timed in turns (``autotune.compare``)."""
     n, _, height, width = h.shape
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(n, features, height, width, generator=gen).to(h.device)
     weight = torch.randn(features, features, 3, 3, generator=gen).to(h.device)
-    times = {}
+    layers = {}
+    for name, dtype in DTYPES.items():
+        xd = x.to(dtype).contiguous(memory_format=torch.channels_last)
+        wd = weight.to(dtype).contiguous(memory_format=torch.channels_last)
+        layers[name] = lambda xd=xd, wd=wd: F.conv2d(xd, wd, padding=1)
     with torch.no_grad():
-        for name, dtype in DTYPES.items():
-            xd = x.to(dtype).contiguous(memory_format=torch.channels_last)
-            wd = weight.to(dtype).contiguous(memory_format=torch.channels_last)
-            times[name] = autotune.median_seconds(lambda xd=xd, wd=wd: F.conv2d(xd, wd, padding=1))
-    return times
+        return autotune.compare(layers)
 
 
 def dtype_for(h: torch.Tensor, features: int, grad: bool) -> torch.dtype:
