@@ -3,7 +3,15 @@
 Each ``Metrics`` owns its registry, so an application (or a test) sees only
 its own series. Labels are bounded: ``endpoint`` is one of the routes,
 ``model`` one of the configured models, ``status`` an HTTP status, ``reason``
-one of ``REJECTION_REASONS``.
+one of ``REJECTION_REASONS``. A request carries one ``endpoint`` in every
+family, the route it was sent to: a ``/denoise`` request with ``noise=poisson``
+is ``/denoise`` in the HTTP metrics and the solver's alike, and its ``model``
+(a Poisson model) says which task answered it.
+
+The solver's statistics mean what the response headers say (``docs/api.md``,
+"Solver statistics"): ``kdeq_solver_iterations`` observes ``X-KDEQ-Iterations``,
+``kdeq_solver_relative_residual`` ``X-KDEQ-Residual``, and
+``kdeq_solver_nonconverged`` counts ``X-KDEQ-Converged: false``.
 """
 
 from __future__ import annotations
@@ -56,6 +64,13 @@ BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 
 # the `_created` series double the exposition and no dashboard or alert here reads them
 disable_created_metrics()
+
+
+def task_routes(task: str) -> tuple[str, ...]:
+    """The routes a request for ``task`` may be sent to: its own, and its host's where it is a
+    variant (``/denoise`` with ``noise=poisson`` for ``denoise-poisson``)."""
+    variant = TASKS[task].variant
+    return (TASKS[task].route,) if variant is None else (TASKS[task].route, TASKS[variant.host].route)
 
 
 def iteration_buckets(caps: Iterable[int]) -> tuple[float, ...]:
@@ -140,22 +155,24 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.solver_iterations = Histogram(
             "kdeq_solver_iterations",
-            "fixed-point solver iterations per image",
+            "solver steps per image after its start, as X-KDEQ-Iterations (0: the start met the "
+            "tolerance, or an exact solve; chained solves summed, an image in tiles its slowest tile's)",
             ["endpoint", "model"],
             buckets=iteration_buckets(iteration_caps),
             registry=r,
         )
         self.solver_residual = Histogram(
             "kdeq_solver_relative_residual",
-            "relative residual ‖f(z)−z‖/‖f(z)‖ of the returned iterate per image "
-            f"(non-finite recorded as {RESIDUAL_NONFINITE:g})",
+            "relative residual ‖f(z)−z‖/‖f(z)‖ of the returned iterate per image, as X-KDEQ-Residual "
+            f"(the worst of chained solves and tiles; non-finite recorded as {RESIDUAL_NONFINITE:g})",
             ["endpoint", "model"],
             buckets=RESIDUAL_BUCKETS,
             registry=r,
         )
         self.solver_nonconverged = Counter(
             "kdeq_solver_nonconverged",
-            "images whose solve stopped above its tolerance (the best iterate was returned)",
+            "images whose solve stopped above its tolerance, X-KDEQ-Converged: false (the best iterate "
+            "was returned), and solves with a non-finite output (answered 422 non_finite)",
             ["endpoint", "model"],
             registry=r,
         )
@@ -254,10 +271,17 @@ class Metrics:
             r.register(GuardedCollector(self.cuda_memory, "cuda_memory", self.collector_errors))
         r.register(self.collector_errors)
 
+    def start_solver_series(self, task: str, model: str) -> None:
+        """Zero series of ``model``'s non-convergence on every route its task is asked on
+        (``task_routes``), so that a ratio is defined before the first miss."""
+        for route in task_routes(task):
+            self.solver_nonconverged.labels(route, model)
+
     def observe_solve(
         self, endpoint: str, model: str, iterations: int, residual: float, converged: bool
     ) -> None:
-        """Record one image's solver statistics."""
+        """Record one image's solver statistics, those its response carries (``endpoint``: the route
+        the request was sent to)."""
         self.solver_iterations.labels(endpoint, model).observe(iterations)
         value = residual if math.isfinite(residual) else RESIDUAL_NONFINITE
         self.solver_residual.labels(endpoint, model).observe(value)

@@ -42,7 +42,7 @@ from kdeq.tasks.base import counts_of
 from service.decode import DecodedImage, decode_image, decode_mask
 from service.encode import PNG, encode_png, wants_json
 from service.engine import Job
-from service.errors import ERROR_RESPONSES, ApiError, ErrorBody
+from service.errors import ERROR_RESPONSES, ApiError, ErrorBody, describe_errors
 from service.registry import ModelSlot
 from service.state import Service
 from service.tracing import record_phases
@@ -53,10 +53,25 @@ router = APIRouter()
 AUTH = [Security(HTTPBearer(auto_error=False)), Security(APIKeyHeader(name="X-API-Key", auto_error=False))]
 
 
+#: what the solver's statistics mean, in the headers, the JSON body and the metrics alike
+#: (docs/api.md, "Solver statistics")
+ITERATIONS_MEANING = (
+    "solver steps after the solve's start; 0 when the start (a learned pilot, or the exact answer "
+    "of a solve by one transform) already met the tolerance; summed over the solves a task chains, "
+    "the slowest tile's for an image solved in tiles"
+)
+RESIDUAL_MEANING = (
+    "relative residual ‖f(z)−z‖/‖f(z)‖ of the returned iterate (the worst of chained solves and of tiles)"
+)
+CONVERGED_MEANING = (
+    "whether every solve behind the image met its tolerance (else the best iterate is returned)"
+)
+
+
 class SolverInfo(BaseModel):
-    iterations: int
-    residual: float | None
-    converged: bool
+    iterations: int = PydanticField(description=ITERATIONS_MEANING)
+    residual: float | None = PydanticField(description=RESIDUAL_MEANING + "; null if it is not finite")
+    converged: bool = PydanticField(description=CONVERGED_MEANING)
     history: list[float | None] | None = PydanticField(
         None,
         description="with `history=true`: the relative residual at each step (null where it was not finite)",
@@ -142,13 +157,13 @@ def _responses(result_fields: Iterable[ResultField], result: type[Result]) -> di
                     "description": "the model that answered, NAME:VERSION",
                     "schema": {"type": "string"},
                 },
-                "X-KDEQ-Iterations": {"description": "solver iterations", "schema": {"type": "integer"}},
+                "X-KDEQ-Iterations": {"description": ITERATIONS_MEANING, "schema": {"type": "integer"}},
                 "X-KDEQ-Residual": {
-                    "description": "relative residual ‖f(z)−z‖/‖f(z)‖ (`inf` or `nan` if the solve diverged)",
+                    "description": RESIDUAL_MEANING + " (`inf` or `nan` if the solve diverged)",
                     "schema": {"type": "string"},
                 },
                 "X-KDEQ-Converged": {
-                    "description": "`true` or `false` (the best iterate is returned)",
+                    "description": "`true` or `false`: " + CONVERGED_MEANING,
                     "schema": {"type": "string"},
                 },
                 "X-KDEQ-Lambda": {
@@ -329,8 +344,7 @@ def add_task_route(router: APIRouter, host: Task) -> None:
         try:
             options = task.options(**{name: form[name] for name in option_names})
         except ValidationError as err:
-            detail = "; ".join(e["msg"] for e in err.errors(include_url=False))
-            raise ApiError(422, "invalid_option", detail) from None
+            raise ApiError(422, "invalid_option", describe_errors(err.errors(include_url=False))) from None
         uploads = {name: form[name] for name in file_names if form[name] is not None}
         # a model that solves in tiles keeps a tile's memory at any size; the others, the image's
         tiles = slot.tiles and svc.settings.tile_size > 0
@@ -370,7 +384,9 @@ def add_task_route(router: APIRouter, host: Task) -> None:
         # would wait for all the others' tiles
         alone = object() if tiles and ih * iw > settings.tile_size**2 else None
         job = Job(
-            endpoint=task.route,
+            # the route requested, as the HTTP metrics label it: one request, one label, whichever
+            # of the route's tasks answers it (the model label names that)
+            endpoint=host.route,
             model=slot.id,
             batch_key=(slot, shape, task.batch_key(job_input), alone, uncertainty),
             payload=job_input,

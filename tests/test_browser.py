@@ -187,6 +187,18 @@ def test_api_errors_are_shown_as_readable_messages(browser, server, images) -> N
     page.close()
 
 
+def test_a_files_size_is_written_in_bytes_below_a_kilobyte(browser, server) -> None:
+    page, errors = open_page(browser, server.url)
+    # the size is the file's, whatever it holds: 28 bytes, then 1.5 kB (1 kB = 1000 bytes)
+    for size, shown in ((28, "28 B"), (1500, "1.5 kB")):
+        page.set_input_files(
+            "#file", files=[{"name": "x.png", "mimeType": "image/png", "buffer": bytes(size)}]
+        )
+        assert page.inner_text("#filename") == f"x.png ({shown})"
+    assert not errors, errors
+    page.close()
+
+
 def test_the_page_asks_for_the_key_when_one_is_configured(browser, images, tmp_path) -> None:
     with run_server(tmp_path, api_key="page-key-123") as keyed:
         page, errors = open_page(browser, keyed.url)

@@ -99,15 +99,15 @@ def corpus() -> list[Case]:
         Case("GIF", f(encode(Image.fromarray(grey), "GIF")), status=415),
         Case("BMP", f(encode(Image.fromarray(grey), "BMP")), status=415),
         Case("a PNG declared as text", [("image", ("x.txt", png, "text/plain"))]),
-        Case(
-            "JSON body", content=b'{"image": "x"}', headers={"Content-Type": "application/json"}, status=400
-        ),
-        Case(
-            "urlencoded body",
-            content=b"image=x",
-            status=400,
-            headers={"Content-Type": "application/x-www-form-urlencoded"},
-        ),
+        *[
+            Case(name, content=content, headers=headers, status=415, error="multipart_expected")
+            for name, content, headers in (
+                ("JSON body", b'{"image": "x"}', {"Content-Type": "application/json"}),
+                ("urlencoded body", b"image=x", {"Content-Type": "application/x-www-form-urlencoded"}),
+                ("raw PNG body", png, {"Content-Type": "image/png"}),
+                ("multipart without a boundary", png, {"Content-Type": "multipart/form-data"}),
+            )
+        ],
         Case(
             "mask of the wrong size",
             f(png) + f(encode(np.zeros((5, 5), np.uint8)), "mask"),
@@ -141,7 +141,7 @@ def corpus() -> list[Case]:
         Case("model name with ../", f(png), {"model": "../../etc/passwd"}, status=400, error="invalid_model"),
         Case("model name with an absolute path", f(png), {"model": "/etc/passwd"}, status=400),
         Case("model of another task", f(png), {"model": "segment-kglm"}, status=404, error="no_model"),
-        Case("missing image", [], {"sigma": "10"}, status=400),
+        Case("missing image", [("sigma", (None, "10"))], status=400),  # a multipart form without it
         Case("duplicated image", f(png) + f(png), status=400, error="duplicate_field"),
         Case(
             "duplicated sigma",

@@ -279,7 +279,7 @@ def test_metrics_move_with_requests(client: TestClient) -> None:
 @pytest.mark.parametrize(
     ("data", "files", "status", "error"),
     [
-        ({}, {}, 400, "bad_request"),  # no image
+        ({}, {}, 415, "multipart_expected"),  # no form at all
         ({"sigma": "abc"}, None, 400, "bad_request"),
         ({"sigm": "2"}, None, 400, "unknown_field"),
         ({"sigma": "-1"}, None, 422, "unprocessable"),
@@ -314,9 +314,11 @@ def test_formats_outside_the_allow_list_and_truncated_files(client: TestClient) 
 
 
 def test_a_file_field_sent_as_text_is_malformed(client: TestClient) -> None:
-    assert_error(client.post("/denoise", data={"image": "not a file"}), 400)
+    # in a multipart form (a URL-encoded one is refused whole: tests/test_service_requests.py)
+    r = client.post("/denoise", files=[("image", (None, "not a file"))])
+    assert "`image` must be a file upload" in assert_error(r, 400)["detail"]
     r = client.post("/inpaint", files={"image": grey_png()[0]}, data={"mask": "nope"})
-    assert_error(r, 400)
+    assert "`mask` must be a file upload" in assert_error(r, 400)["detail"]
 
 
 def test_duplicate_fields_are_refused(client: TestClient) -> None:

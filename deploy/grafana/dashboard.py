@@ -163,8 +163,8 @@ def panels() -> list[dict]:
         row("Solver"),
         panel(
             "Solver iterations (heatmap)",
-            "Distribution of fixed-point iterations per image, all models; a band at a model's cap is "
-            "solves that stopped there.",
+            "Distribution of solver steps per image after its start (X-KDEQ-Iterations; 0: the start "
+            "met the tolerance), all models; a band at a model's cap is solves that stopped there.",
             [(f"sum by (le) (rate(kdeq_solver_iterations_bucket[{RATE}]))", "{{le}}")],
             kind="heatmap",
             fmt="heatmap",
@@ -173,7 +173,7 @@ def panels() -> list[dict]:
         ),
         panel(
             "Solver iterations p50 / p95 per model",
-            "Fixed-point iterations per image (recording rules).",
+            "Solver steps per image after its start, as X-KDEQ-Iterations (recording rules).",
             [
                 ("kdeq:solver_iterations:p50_5m", "p50 {{model}}"),
                 ("kdeq:solver_iterations:p95_5m", "p95 {{model}}"),
@@ -181,14 +181,16 @@ def panels() -> list[dict]:
         ),
         panel(
             "Relative residual p95 per model",
-            "‖f(z)−z‖/‖f(z)‖ of the returned iterate, log axis.",
+            "‖f(z)−z‖/‖f(z)‖ of the returned iterate, as X-KDEQ-Residual (the worst of chained solves "
+            "and tiles), log axis.",
             [("kdeq:solver_relative_residual:p95_5m", "{{model}}")],
             unit="sci",
             log_axis=True,
         ),
         panel(
             "Non-convergence ratio",
-            "Images whose solve stopped above tolerance (the best iterate was returned), over images solved.",
+            "Images answered X-KDEQ-Converged: false (a solve stopped above its tolerance; the best iterate "
+            "was returned), over images solved.",
             [("kdeq:solver_nonconverged:ratio5m", "{{model}}")],
             unit="percentunit",
         ),

@@ -492,7 +492,7 @@ function setFile(file) {
   state.painted = false;
   state.paintable = false;
   state.inputSize = null;
-  $("filename").textContent = `${file.name} (${Math.round(file.size / 1024)} kB)`;
+  $("filename").textContent = `${file.name} (${formatBytes(file.size)})`;
   $("input-size").textContent = "";
   if (state.inputUrl) URL.revokeObjectURL(state.inputUrl);
   state.inputUrl = URL.createObjectURL(file);
