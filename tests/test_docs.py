@@ -22,7 +22,7 @@ import pytest
 from tests.service_helpers import run_server
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/models/ too
 NOT_RUN = re.compile(r"^# not run by the test suite: (needs Docker|needs a Kubernetes cluster|a benchmark)")
 VENV_BIN = Path(sys.executable).parent
 

@@ -23,3 +23,16 @@ def test_every_test_named_in_the_reliability_page_exists() -> None:
         if isinstance(n, ast.FunctionDef)
     }
     assert bare <= everything, bare - everything
+
+
+def test_the_hostile_corpus_is_as_the_page_lists_it() -> None:
+    from tests.test_hostile import corpus
+
+    text = (ROOT / "docs" / "RELIABILITY.md").read_text()
+    section = text.split("## Hostile and broken inputs", 1)[1].split("\n## ", 1)[0]
+    cases = corpus()
+    listed = re.search(r"Cases \((\d+), plus one chunked upload\)", section)
+    assert listed and int(listed[1]) == len(cases), (listed and listed[1], len(cases))
+    # one row per answer the corpus expects (413 also the chunked upload's), and no other
+    rows = {int(code) for code in re.findall(r"^\| (\d{3}) \|", section, re.M)}
+    assert rows == {c.status for c in cases} | {413}, rows
