@@ -91,7 +91,7 @@ class Service:
         if slot.ready:
             self.metrics.model_version.labels(slot.name).set(int(slot.id.partition(":")[2]))
             # a zero series from the start, so a non-convergence ratio is defined before the first miss
-            self.metrics.solver_nonconverged.labels(TASKS[slot.task].route, slot.id)
+            self.metrics.start_solver_series(slot.task, slot.id)
 
     def load_model(self, name: str, version: int | None) -> ModelSlot:
         """Load, warm and swap in ``name`` at ``version`` (``ModelRegistry.load_model``) on every

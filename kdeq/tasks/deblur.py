@@ -18,8 +18,8 @@ first solve ``f₀``, a symmetric border: one transform for an even PSF), then w
 of the smoothed ``g = G∗f₀``, ``h²`` from the guide's own estimated noise (the deconvolution
 amplifies the observations'), and ``K̃``'s local average ``D⁻¹K f₀`` as the mean (CG, a handful of
 iterations). The kernel follows the image's edges, so the second solve sharpens them without
-ringing across them. The statistics are the second solve's, with both solves' iterations; the
-prediction's ``pilot`` is ``f₀``.
+ringing across them. The statistics are both solves' (``kdeq.solvers.chained``: iterations
+summed, the worse residual, converged when both did); the prediction's ``pilot`` is ``f₀``.
 
 With a network (``kdeq.guidenet``, ``condition = "sigma"``) its pilot ``p`` of ``f₀`` is the guide
 and, mixed by ``β``, the mean ``(1 − β)·D⁻¹K f₀ + β·p``: the denoiser's network, removing what the
@@ -111,7 +111,7 @@ class Deblurrer(Predictor):
         lam = self.lam(s)
         cfg = self.solver(solver)
         if self.prior is not None:
-            return self._plug_and_play(blur, x, s, lam, cfg)
+            return self._plug_and_play(blur, x, s, lam, cfg, solver)
         if not self.guided:
             kernel = KernelMap(self.tensors["w1"], torch.ones_like(lam), self.config.architecture.padding)
             f, stats = solve_observed(blur, kernel, x, lam, self.mean(x), cfg)
@@ -130,23 +130,29 @@ class Deblurrer(Predictor):
             beta = self.tensors["net_mean_mix"]
             mean = beta * learned + (1 - beta) * mean
         f, stats = solve_observed(blur, GuidedMap(op, torch.ones_like(lam)), x, lam, mean, cfg)
-        # the answer's residual is the second solve's; the steps are both solves'
-        joined = chained([first, stats])
-        stats = SolverStats(joined.iterations, stats.residual, joined.converged, joined.history)
+        stats = chained([first, stats])
         return Prediction(f, stats, lam, sigma=s * 255.0, pilot=f0 if learned is None else learned)
 
     def _plug_and_play(
-        self, blur: Blur, x: torch.Tensor, s: torch.Tensor, lam: torch.Tensor, cfg: SolverConfig
+        self,
+        blur: Blur,
+        x: torch.Tensor,
+        s: torch.Tensor,
+        lam: torch.Tensor,
+        cfg: SolverConfig,
+        solver: SolverOverride | None,
     ) -> Prediction:
         """``kdeq.pnp.plug_and_play`` from the observations ``x`` ``(B, c, H, W)`` at levels ``s``
         ``(B,)`` (``λ = λ(s)``, the schedule ending at ``s`` floored as ``λ``'s rule floors it),
-        with the embedded denoiser at each ``σ_k``."""
+        with the embedded denoiser at each ``σ_k``. The request's ``solver`` override applies to every
+        solve, the data steps' (``cfg``) and the denoiser's, so that its tolerance and step budget
+        are what the reported statistics are held to."""
         arch = self.config.architecture
         final = s.clamp(min=self.config.lam.min_sigma / 255.0)
         levels = noise_schedule(arch.start_sigma / 255.0, final, arch.steps)
 
         def denoise(v: torch.Tensor, level: torch.Tensor) -> tuple[torch.Tensor, SolverStats]:
-            out = self.prior.forward(v, sigma=level * 255.0)
+            out = self.prior.forward(v, sigma=level * 255.0, solver=solver)
             return out.output, out.stats
 
         f, stats = plug_and_play(blur, x, x, lam, levels, denoise, cfg)
