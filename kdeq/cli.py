@@ -23,6 +23,14 @@
 - commands of other installed packages, registered under the ``kdeq.commands`` entry-point
   group (``kdeq serve`` comes from the ``service`` package, which ``kdeq`` never imports).
 
+Bad input (a file, a flag's value, a model) exits with status 2 and one line on standard error: no
+traceback, no usage, no pydantic dump. ``kdeq TASK`` checks every file's header before it decodes any,
+as the service does and with its words (``kdeq.imageio.load_image``): PNG, JPEG, WebP or TIFF, at most
+``--max-pixels`` pixels, or ``--max-untiled-pixels`` for a model that does not solve in tiles (the
+service's ``KDEQ_MAX_PIXELS`` and ``KDEQ_MAX_UNTILED_PIXELS``, same defaults), one frame, at least
+2×2. On a terminal, work past a couple of seconds shows a progress line on standard error
+(``Progress``); a denoise that finds no noise to remove says so (``UNRESOLVED_SIGMA``).
+
 ``kdeq demo`` denoises a generated test image with the closed-form kGLM-DEQ
 (a stationary tapered kernel, the global mean of Appendix H, ``λ`` from the
 noise level, DESIGN §2.6) using each solver, and prints PSNR and the per-sample
@@ -38,25 +46,36 @@ import json
 import math
 import os
 import sys
+import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import UnionType
-from typing import Literal, Union, get_args, get_origin
+from typing import Literal, NoReturn, TypeVar, Union, get_args, get_origin
 
 import numpy as np
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from kdeq import batchrun, heap, scaledpng
 from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
 from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError, Result
 from kdeq.families import Gaussian
-from kdeq.imageio import write_png
+from kdeq.imageio import (
+    MAX_PIXELS,
+    MAX_UNTILED_PIXELS,
+    PIXEL_LIMITS,
+    ImageRefusedError,
+    check_mask_size,
+    open_image,
+    pixel_limit,
+    write_png,
+)
 from kdeq.kernels import Kernel
 from kdeq.kglm import conv_deq
+from kdeq.noise import MAD_TO_STD
 from kdeq.predictor import SolverOverride
 from kdeq.priors import GaussianPrior
 from kdeq.repository import default_models_dir, find_reference, list_models, load_predictor
@@ -210,48 +229,196 @@ def _solve_line(source: Path | None, model: str, result: Solved | Result, timing
     )
 
 
+M = TypeVar("M", bound=BaseModel)
+
+#: the least noise level (0–255) the estimator resolves on 8-bit pixels: half a grey level, the
+#: smallest non-zero finest diagonal Haar coefficient ``|d|`` of integer pixels, over ``Φ⁻¹(3/4)``
+#: (``kdeq.noise``): ≈ 0.74. A grey image's estimate under it is exactly 0 (most of its flattest
+#: coefficients are 0); a colour image's (the patch estimate, continuous) reads there noise too weak
+#: to tell from the rounding's own (1/√12 ≈ 0.29 grey levels): 0.40 at σ = 0.25, 0.58 at σ = 0.5
+UNRESOLVED_SIGMA = 0.5 / MAD_TO_STD
+#: the tasks whose only work is taking noise of level σ away, so that an estimate under
+#: ``UNRESOLVED_SIGMA`` leaves them nothing to do (the output is the input to within a grey level);
+#: deblur still sharpens and the impulse denoiser still removes impulses at σ = 0
+NOISE_ONLY_TASKS = ("denoise",)
+
+
+def _allowed(info: FieldInfo | None) -> str:
+    """A numeric field's range from its bounds (``ge``, ``gt``, ``le``, ``lt``), as ``[0, 255]`` or
+    ``(0, ∞)``; ``""`` where it has none."""
+    low, high = ("(", "−∞"), ("∞", ")")
+    for item in info.metadata if info is not None else ():
+        for key, lower, bracket in (
+            ("ge", True, "["),
+            ("gt", True, "("),
+            ("le", False, "]"),
+            ("lt", False, ")"),
+        ):
+            bound = getattr(item, key, None)
+            if bound is not None:
+                low, high = ((bracket, f"{bound:g}"), high) if lower else (low, (f"{bound:g}", bracket))
+    if low[1] == "−∞" and high[0] == "∞":
+        return ""
+    return f"{low[0]}{low[1]}, {high[0]}{high[1]}"
+
+
+def _validation_line(err: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """``err`` on one line, each error's place, then its message. With ``model`` (the options or
+    the solver override a command's flags fill) the place is the flag and its value, and the message
+    ends with the field's allowed range; without, the dotted place (a spec file's field)."""
+    parts = []
+    for e in err.errors(include_url=False):
+        loc = [str(p) for p in e["loc"]]
+        if model is None or not loc:
+            parts.append(f"{'.'.join(loc)}: {e['msg']}" if loc else e["msg"])
+            continue
+        allowed = _allowed(model.model_fields.get(loc[0]))
+        value = e["input"] if isinstance(e["input"], (int, float, str)) else None
+        place = "--" + loc[0].replace("_", "-") + ("" if value is None else f" {value}")
+        parts.append(f"{place}: {e['msg']}" + (f" (allowed: {allowed})" if allowed else ""))
+    return "; ".join(parts)
+
+
+def _validated(model: type[M], values: Mapping[str, object]) -> M:
+    """``model(**values)`` from a command's flags; ``ValueError`` of one line naming each bad flag, its
+    value and its allowed range (``_validation_line``)."""
+    try:
+        return model(**values)
+    except ValidationError as err:
+        raise ValueError(_validation_line(err, model)) from None
+
+
+def _one_line(err: BaseException) -> str:
+    """``err``'s message on one line (a pydantic error's by ``_validation_line``; any other's lines
+    joined by "; "), so that a refusal is one line of standard error."""
+    if isinstance(err, ValidationError):
+        return _validation_line(err)
+    return "; ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+
+
+def _limit_hint(args: argparse.Namespace, predictor_name: str, model_tiles: bool) -> str:
+    """What raises the pixel limit that applies (``kdeq.imageio.pixel_limit``) to a model that solves
+    in tiles (``model_tiles``) or not."""
+    if (model_tiles and args.tile) or args.max_pixels <= args.max_untiled_pixels:
+        return "--max-pixels raises the limit"
+    why = f"{predictor_name} does not solve in tiles" if not model_tiles else "--tile 0 solves images whole"
+    return f"{why}: --max-untiled-pixels raises the limit"
+
+
+def _check_headers(task: Task, inputs: list[Path], files: Mapping[str, Path], limit: int, hint: str) -> None:
+    """Every input and its file inputs (``batchrun.matched_file``) opened and their headers checked
+    (``kdeq.imageio.open_image``: format, at most ``limit`` pixels, at least 2×2, one frame; a mask
+    of its image's size, either way round) before any is decoded; ``ValueError`` or
+    ``ImageRefusedError`` naming the first refused file, with ``hint`` after a refusal for its pixel
+    count."""
+    masks = {spec.name for spec in task.files if spec.kind == "mask"}
+    sizes: dict[Path, tuple[int, int]] = {}
+    for source in inputs:
+        for name, path in (
+            ("image", source),
+            *((n, batchrun.matched_file(g, source)) for n, g in files.items()),
+        ):
+            if path not in sizes:
+                try:
+                    with open_image(path, str(path), limit) as im:
+                        sizes[path] = im.size[::-1]
+                except FileNotFoundError:
+                    raise ValueError(f"{path}: no such file") from None
+                except ImageRefusedError as err:
+                    if err.code == "too_many_pixels":
+                        raise ValueError(f"{err.detail}; {hint}") from None
+                    raise
+            if name in masks:
+                # the headers' sizes: where EXIF orientation turns one file and not the other, only the
+                # decoded sizes tell (batchrun.plan)
+                check_mask_size(sizes[path], sizes[source], f"{path} (the mask of {source})", turned=True)
+
+
+def _check_writable(args: argparse.Namespace, several: bool) -> None:
+    """``ValueError`` where an output file's folder does not exist (with several inputs ``-o`` and
+    ``--uncertainty`` are folders, made as needed): refused before the solve, not after it."""
+    for flag, given in (("-o", args.out), ("--uncertainty", getattr(args, "uncertainty", None))):
+        if given is not None and not several and not Path(given).resolve().parent.is_dir():
+            raise ValueError(f"{flag} {given}: no folder {Path(given).parent}")
+
+
+def _warn_noiseless(
+    command: str, task: Task, options: BaseModel | Mapping, source: Path, fields: Mapping[str, float | None]
+) -> None:
+    """One line on standard error where ``task`` removes noise only, its ``σ`` was not given in
+    ``options`` but estimated, and the estimate (the result's ``fields``) is under
+    ``UNRESOLVED_SIGMA``: there was nothing to remove."""
+    given = options.get("sigma") if isinstance(options, Mapping) else getattr(options, "sigma", None)
+    found = fields.get("sigma")
+    if task.name not in NOISE_ONLY_TASKS or given is not None or found is None or found >= UNRESOLVED_SIGMA:
+        return
+    print(
+        f"kdeq {command}: warning: {source}: noise estimated at σ = {found:.2f}, under the "
+        f"{UNRESOLVED_SIGMA:.2f} the estimator resolves on 8-bit pixels: nothing to remove, the output "
+        "is the input to within a grey level (--sigma N denoises at level N)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _run_model(args: argparse.Namespace) -> int:
     task = chosen_task(TASKS[args.command], args)
+    # the flags first: a bad value is refused before a model is loaded or a file read
+    given = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}
+    options = _validated(task.options, given)
+    override = _validated(SolverOverride, {"tol": args.tol, "max_iter": args.max_iter})
+    files = {spec.name: Path(getattr(args, spec.name)) for spec in task.files if getattr(args, spec.name)}
+    inputs = [Path(p) for p in args.input]
+    several = len(inputs) > 1
+    _check_writable(args, several)
     root = Path(args.models_dir)
     predictor = load_predictor(find_reference(root, args.model or f"{task.name}-kglm"), args.device)
     if predictor.task != task.name:
         raise ValueError(f"model {predictor.name} is a {predictor.task} model")
-    given = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}
-    options = task.options(**given)
-    files = {spec.name: Path(getattr(args, spec.name)) for spec in task.files if getattr(args, spec.name)}
-    override = SolverOverride(tol=args.tol, max_iter=args.max_iter)
-    inputs = [Path(p) for p in args.input]
     stds = _uncertainty_outputs(args, inputs)
     if stds is not None:
         why = unsupported(predictor)
         if why is not None:
             raise ValueError(f"no --uncertainty: {why}")
+    # the service's limits (kdeq.imageio.pixel_limit): a model that solves in tiles keeps a tile's
+    # memory at any size, the others the image's
+    model_tiles = task.tile_halo(predictor) is not None
+    if model_tiles and args.tile**2 > args.max_untiled_pixels:
+        # a tile is solved whole (as KDEQ_TILE_SIZE must fit KDEQ_MAX_UNTILED_PIXELS)
+        raise ValueError(
+            f"--tile {args.tile}: a tile of {args.tile}² pixels exceeds --max-untiled-pixels "
+            f"{args.max_untiled_pixels}, the most pixels solved whole; give a smaller --tile"
+        )
+    limit = pixel_limit(model_tiles and bool(args.tile), args.max_pixels, args.max_untiled_pixels)
+    hint = _limit_hint(args, predictor.name, model_tiles)
+    _check_headers(task, inputs, files, limit, hint)
     start = time.perf_counter()
-    jobs = batchrun.plan(task, inputs, Path(args.out), options, files, override, stds is not None)
-    several = len(jobs) > 1
+    with Progress(None, f"reading {len(inputs)} image{'s' if several else ''}"):
+        jobs = batchrun.plan(task, inputs, Path(args.out), options, files, override, stds is not None)
+    for job in jobs:
+        h, w = task.output_size(job.request)
+        if h * w > limit:
+            raise ValueError(f"{job.source}: the output would be {w}×{h}, more than {limit} pixels; {hint}")
     if several:
         Path(args.out).mkdir(parents=True, exist_ok=True)
     sizes = [batchrun.units(task, predictor, job, args.tile) for job in jobs]
-    tiled = sum(sizes) > len(jobs)
-    progress = Progress(sum(sizes), "tiles" if tiled else "images") if (several or tiled) else None
     converged = count = batch_count = 0
-    update = None if progress is None else progress.advance
-    for batch, solved, seconds in batchrun.run(task, predictor, jobs, args.batch_size, args.tile, update):
-        batch_count += 1
-        if progress is not None:
+    with Progress(sum(sizes), "tiles" if sum(sizes) > len(jobs) else "images") as progress:
+        for batch, solved, seconds in batchrun.run(
+            task, predictor, jobs, args.batch_size, args.tile, progress.advance
+        ):
+            batch_count += 1
             progress.clear()
-        for job, result in zip(batch, solved, strict=True):
-            write_png(job.out, torch.from_numpy(result.output), job.bits)
-            if stds is not None:
-                scaledpng.write(stds[job.source], result.uncertainty.std)
-            where = f"{seconds / len(batch) * 1e3:.0f} ms"
-            print(_solve_line(job.source if several else None, predictor.name, result, where), flush=True)
-            converged += result.converged
-            count += 1
-        if progress is not None:
+            for job, result in zip(batch, solved, strict=True):
+                write_png(job.out, torch.from_numpy(result.output), job.bits)
+                if stds is not None:
+                    scaledpng.write(stds[job.source], result.uncertainty.std)
+                where = f"{seconds / len(batch) * 1e3:.0f} ms"
+                print(_solve_line(job.source if several else None, predictor.name, result, where), flush=True)
+                _warn_noiseless(args.command, task, job.request.options, job.source, result.fields)
+                converged += result.converged
+                count += 1
             progress.advance(0)
-    if progress is not None:
-        progress.close()
     if several:
         elapsed = time.perf_counter() - start
         print(
@@ -280,41 +447,51 @@ def _uncertainty_outputs(args: argparse.Namespace, inputs: list[Path]) -> dict[P
 
 def _run_remote(args: argparse.Namespace) -> int:
     """``kdeq remote TASK``: every input and file input read and checked as ``kdeq TASK`` does
-    (``batchrun.plan``: the options, each image decoded, a mask's size, …) before anything is sent;
+    (the options, every header against the most pixels any service admits, then ``batchrun.plan``:
+    each image decoded, a mask's size, …) before anything is sent;
     then each input sent to the service in turn, its output written where and as ``kdeq TASK`` writes
     it (``batchrun.outputs``; 8-bit, without alpha: ``_write_local``) and a line of statistics
     printed per image; 3 when a solve did not converge, as locally."""
     task = chosen_task(TASKS[args.task], args)
     inputs = [Path(p) for p in args.input]
     options = {n: getattr(args, n) for n in task.options.model_fields if getattr(args, n) is not None}
+    checked = _validated(task.options, options)
     named = {f.name: Path(getattr(args, f.name)) for f in task.files if getattr(args, f.name)}
     several = len(inputs) > 1
+    _check_writable(args, several)
     stds = _uncertainty_outputs(args, inputs)
     start, converged = time.perf_counter(), 0
     # the client first, so that a missing httpx2 is reported before every input is read
     with Client(args.url, args.api_key, args.timeout, args.retry_budget) as client:
-        # the solver limits are the service's to check (it refuses raising the model's cap, or tol ≥ 1)
-        jobs = batchrun.plan(task, inputs, Path(args.out), task.options(**options), named, None)
+        # the solver limits are the service's to check (it refuses raising the model's cap, or tol ≥ 1),
+        # and so is its pixel limit: here every header is checked against the most any service admits,
+        # so that no file is decoded that no service would take
+        _check_headers(task, inputs, named, PIXEL_LIMITS[1], "no service admits more")
+        jobs = batchrun.plan(task, inputs, Path(args.out), checked, named, None)
         if several:
             Path(args.out).mkdir(parents=True, exist_ok=True)
-        for job in jobs:
-            files = {name: batchrun.matched_file(path, job.source) for name, path in named.items()}
-            result = client.run(
-                task.name,
-                job.source,
-                model=args.model,
-                max_iter=args.max_iter,
-                tol=args.tol,
-                uncertainty=stds is not None,
-                **options,
-                **files,
-            )
-            _write_local(job.out, result.image)
-            if stds is not None:
-                scaledpng.write(stds[job.source], result.uncertainty.std)
-            where = f"{result.timings.get('total', 0.0) * 1e3:.0f} ms on the service"
-            print(_solve_line(job.source if several else None, result.model, result, where), flush=True)
-            converged += result.converged
+        with Progress(len(jobs), "images") as progress:
+            for job in jobs:
+                files = {name: batchrun.matched_file(path, job.source) for name, path in named.items()}
+                result = client.run(
+                    task.name,
+                    job.source,
+                    model=args.model,
+                    max_iter=args.max_iter,
+                    tol=args.tol,
+                    uncertainty=stds is not None,
+                    **options,
+                    **files,
+                )
+                progress.clear()
+                _write_local(job.out, result.image)
+                if stds is not None:
+                    scaledpng.write(stds[job.source], result.uncertainty.std)
+                where = f"{result.timings.get('total', 0.0) * 1e3:.0f} ms on the service"
+                print(_solve_line(job.source if several else None, result.model, result, where), flush=True)
+                _warn_noiseless(f"remote {args.task}", task, options, job.source, result.fields)
+                converged += result.converged
+                progress.advance(1)
     if several:
         elapsed = time.perf_counter() - start
         print(
@@ -340,13 +517,13 @@ def _remote(args: argparse.Namespace) -> int:
     try:
         return _run_remote(args)
     except KdeqError as err:
-        print(f"kdeq remote {args.task}: error: {err}", file=sys.stderr)
+        print(f"kdeq remote {args.task}: error: {_one_line(err)}", file=sys.stderr)
         return 2 if err.status is not None and err.status < 500 else 1
     except ImportError as err:
-        print(f"kdeq remote {args.task}: error: {err}", file=sys.stderr)
+        print(f"kdeq remote {args.task}: error: {_one_line(err)}", file=sys.stderr)
         return 1
     except (ValueError, OSError, ValidationError) as err:
-        print(f"kdeq remote {args.task}: error: {err}", file=sys.stderr)
+        print(f"kdeq remote {args.task}: error: {_one_line(err)}", file=sys.stderr)
         return 2
 
 
@@ -361,34 +538,116 @@ def _tile_side(text: str) -> int:
     return side
 
 
+def _pixel_count(text: str) -> int:
+    """``--max-pixels`` and ``--max-untiled-pixels``: a count of pixels in ``PIXEL_LIMITS``, the
+    service's range for ``KDEQ_MAX_PIXELS`` and ``KDEQ_MAX_UNTILED_PIXELS``."""
+    low, high = PIXEL_LIMITS
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if not low <= count <= high:
+        raise argparse.ArgumentTypeError(f"a pixel count in [{low}, {high}], not {text!r}")
+    return count
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser whose refusals are one line of standard error, exit status 2: the error
+    and where the usage is, not the usage itself (a task command's runs to dozens of lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {_one_line(ValueError(message))} (see {self.prog} --help)\n")
+
+
+def _samples_help() -> str:
+    """``kdeq samples --help``'s list of the files it writes, each with what it holds: the list
+    ``kdeq.samples.write_samples`` writes (``SAMPLE_FILES``)."""
+    from kdeq.samples import SAMPLE_FILES
+
+    width = max(map(len, SAMPLE_FILES))
+    lines = [f"  {name:<{width}}  {meaning}" for name, meaning in SAMPLE_FILES.items()]
+    return "\n".join(["Writes into DIRECTORY (made if needed):", *lines])
+
+
 class Progress:
-    """A one-line progress bar of images or tiles on standard error, drawn on a terminal only
-    (``kdeq TASK`` with several inputs or a tiled one)."""
+    """A one-line progress report on standard error: the images or tiles done of ``total`` with a
+    bar, the seconds so far and, once some are done, an estimate of the seconds left (without a
+    ``total``, the ``unit`` and the seconds so far: ``reading 3 images, 4 s``).
+
+    Drawn on a terminal only: redirected, standard error gets no carriage-return redraws (the line
+    per image on standard output says what is done). Drawn from ``DELAY`` seconds after the start,
+    so that a quick run shows none, and redrawn every ``EVERY`` seconds by a thread of its own, so
+    that a single long solve, which reports nothing until it is done, still shows time passing.
+    ``clear`` erases it until the next ``advance``, for lines printed meanwhile; ``close`` for good."""
 
     WIDTH = 30
+    DELAY = 2.0
+    EVERY = 1.0
 
-    def __init__(self, total: int, unit: str) -> None:
+    def __init__(self, total: int | None, unit: str) -> None:
         self.total, self.unit, self.done = total, unit, 0
+        self.start = time.monotonic()
         self.shown = sys.stderr.isatty()
-        self.advance(0)
+        self._lock = threading.Lock()
+        self._held = self._drawn = False
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="kdeq-progress", daemon=True)
+        if self.shown:
+            self._ticker.start()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _tick(self) -> None:
+        wait = self.DELAY
+        while not self._stop.wait(wait):
+            with self._lock:
+                if not self._held:
+                    self._draw()
+            wait = self.EVERY
+
+    def _draw(self) -> None:
+        """Redraw the line (the caller holds the lock), from ``DELAY`` seconds on."""
+        elapsed = time.monotonic() - self.start
+        if elapsed < self.DELAY:
+            return
+        if self.total is None:
+            text = f"{self.unit}, {elapsed:.0f} s"
+        else:
+            filled = self.WIDTH * self.done // max(self.total, 1)
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            text = f"[{bar}] {self.done}/{self.total} {self.unit}, {elapsed:.0f} s"
+            if 0 < self.done < self.total:
+                text += f", ~{elapsed / self.done * (self.total - self.done):.0f} s left"
+        print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+        self._drawn = True
 
     def advance(self, done: int) -> None:
         """Count ``done`` more units and redraw."""
-        self.done += done
-        if not self.shown:
-            return
-        filled = self.WIDTH * self.done // self.total
-        bar = "#" * filled + "-" * (self.WIDTH - filled)
-        print(f"\r[{bar}] {self.done}/{self.total} {self.unit}", end="", file=sys.stderr, flush=True)
+        with self._lock:
+            self.done += done
+            self._held = False
+            if self.shown:
+                self._draw()
 
     def clear(self) -> None:
-        """Erase the bar, so that the lines printed next start on a clean line."""
-        if self.shown:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
+        """Erase the line until the next ``advance``, so that the lines printed meanwhile start on a
+        clean line."""
+        with self._lock:
+            self._held = True
+            if self._drawn:
+                print("\r\033[K", end="", file=sys.stderr, flush=True)
+                self._drawn = False
 
     def close(self) -> None:
-        if self.shown:
-            print(file=sys.stderr, flush=True)
+        """Stop redrawing and erase the line: what is done is on standard output."""
+        self._stop.set()
+        if self._ticker.is_alive():
+            self._ticker.join()
+        self.clear()
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -422,7 +681,7 @@ def _init(args: argparse.Namespace) -> int:
         try:
             specs = [ModelSpec.model_validate(json.loads(Path(p).read_text())) for p in args.spec]
         except (ValidationError, json.JSONDecodeError) as err:
-            raise ValueError(f"invalid spec: {err}") from None
+            raise ValueError(f"invalid spec: {_one_line(err)}") from None
     else:
         specs = list(PLUG_AND_PLAY_SPECS)
     prior = None if args.prior is None else load_checkpoint(args.prior)
@@ -477,7 +736,7 @@ LOADED_WHEN_RUN = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kdeq", description="kernel-GLM deep equilibrium models")
+    parser = OneLineParser(prog="kdeq", description="kernel-GLM deep equilibrium models")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="denoise a generated image with the closed-form kGLM-DEQ")
     p_demo.add_argument("--size", type=int, default=256)
@@ -506,6 +765,23 @@ def main(argv: list[str] | None = None) -> int:
             default=TILE_SIZE,
             help=f"solve images of more than N×N pixels in tiles of about N×N, where the task can "
             f"(default {TILE_SIZE}; 0: never)",
+        )
+        p.add_argument(
+            "--max-pixels",
+            type=_pixel_count,
+            default=MAX_PIXELS,
+            metavar="N",
+            help="the most pixels an input, file input or output may have, checked from each file's header "
+            "before any is decoded (default %(default)s, the service's KDEQ_MAX_PIXELS)",
+        )
+        p.add_argument(
+            "--max-untiled-pixels",
+            type=_pixel_count,
+            default=MAX_UNTILED_PIXELS,
+            metavar="N",
+            help="the same for a model that does not solve in tiles (deblur's), or with --tile 0: its "
+            "solve's memory grows with the image (default %(default)s, the service's "
+            "KDEQ_MAX_UNTILED_PIXELS)",
         )
         p.add_argument("--models-dir", default=models_dir)
         p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
@@ -543,8 +819,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     p_models = sub.add_parser("models", help="list the model repository")
     p_models.add_argument("--models-dir", default=models_dir)
-    p_samples = sub.add_parser("samples", help="write sample images (photo, noisy, holes, scan) to try")
-    p_samples.add_argument("directory", nargs="?", default=".")
+    argv = sys.argv[1:] if argv is None else argv
+    p_samples = sub.add_parser(
+        "samples",
+        help="write generated sample images to try the models on (kdeq samples --help lists them)",
+        # read for `kdeq samples` alone, so that the other commands do not import kdeq.samples
+        epilog=_samples_help() if argv[:1] == ["samples"] else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_samples.add_argument("directory", nargs="?", default=".", metavar="DIRECTORY", help="default: here")
     p_samples.add_argument("--seed", type=int, default=0)
     p_init = sub.add_parser("init", help="write kGLM-initialised checkpoints")
     p_init.add_argument("spec", nargs="*", help="ModelSpec JSON files")
@@ -556,7 +839,6 @@ def main(argv: list[str] | None = None) -> int:
         "other tasks that use its kernel and network as they are) around this denoiser checkpoint",
     )
     p_init.add_argument("--models-dir", default=models_dir)
-    argv = sys.argv[1:] if argv is None else argv
     parents = {(): sub}
     for path, (module, handler, summary) in LOADED_WHEN_RUN.items():
         if path[:-1] not in parents:  # the experiments' group
@@ -603,5 +885,5 @@ def main(argv: list[str] | None = None) -> int:
             return _init(args)
         return _run_model(args)
     except (CheckpointError, LookupError, ValueError, OSError, ValidationError) as err:
-        print(f"kdeq {args.command}: error: {err}", file=sys.stderr)
+        print(f"kdeq {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2

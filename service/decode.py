@@ -3,7 +3,9 @@
 Only PNG, JPEG, WebP and TIFF decoders are ever consulted. The pixel limit is
 checked from the header, before any pixel is decoded, so a small file that
 claims a huge image (a decompression bomb) costs nothing. EXIF orientation is
-applied; a multi-frame file (animated WebP, multi-page TIFF) is refused.
+applied; a multi-frame file (animated WebP, multi-page TIFF) is refused. These
+checks are ``kdeq.imageio.load_image``'s, the ones ``kdeq TASK`` makes on its
+files: each refusal's status, code and detail are its ``ImageRefusedError``'s.
 
 Decoding is numpy-only: torch runs on the inference workers alone, so its
 OpenMP pool has a single master thread (each extra thread that calls torch
@@ -19,19 +21,14 @@ denoised). Pillow reads 16-bit colour PNGs as 8-bit, so those come back 8-bit.
 
 from __future__ import annotations
 
-import io
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
+from kdeq.imageio import ImageRefusedError, check_mask_size, load_image
 from service.errors import ApiError
 
-FORMATS = ("PNG", "JPEG", "WEBP", "TIFF")
-# the service's own pixel limit (below) is the one that applies; set once, as warning filters are
-# process-wide and decoding runs on several threads
-warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N", "I", "F"}
 
 
@@ -69,45 +66,14 @@ def _unit(im: Image.Image) -> np.ndarray:
     return np.asarray(im, dtype=np.float32) / np.float32(255)
 
 
-def _undecodable(field: str, err: Exception) -> ApiError:
-    return ApiError(415, "unsupported_media_type", f"`{field}` cannot be decoded: {err}")
-
-
-def _open(data: bytes, field: str, max_pixels: int) -> Image.Image:
-    if not data:
-        raise ApiError(400, "empty_file", f"`{field}` is empty")
-    try:
-        im = Image.open(io.BytesIO(data), formats=FORMATS)
-    except Image.DecompressionBombError:
-        raise ApiError(413, "too_many_pixels", f"`{field}` declares more than {max_pixels} pixels") from None
-    except UnidentifiedImageError:
-        raise ApiError(
-            415, "unsupported_media_type", f"`{field}` is not a PNG, JPEG, WebP or TIFF image"
-        ) from None
-    except (OSError, ValueError, SyntaxError) as err:
-        raise _undecodable(field, err) from None
-    width, height = im.size
-    if width * height > max_pixels:
-        raise ApiError(
-            413, "too_many_pixels", f"`{field}` is {width}×{height}, over the limit of {max_pixels} pixels"
-        )
-    if width < 2 or height < 2:
-        raise ApiError(422, "image_too_small", f"`{field}` is {width}×{height}; at least 2×2 pixels")
-    frames = getattr(im, "n_frames", 1)
-    if frames > 1:
-        # which frame was meant is not ours to guess, and dropping the others would lose data
-        raise ApiError(422, "multi_frame", f"`{field}` has {frames} frames; send a single-frame image")
-    return im
-
-
 def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
-    """Decode an upload; ``ApiError`` 400 (empty), 413 (pixels), 415 (format) or 422 (too small)."""
-    im = _open(data, field, max_pixels)
+    """Decode an upload; ``ApiError`` 400 (empty), 413 (pixels), 415 (format, or undecodable) or 422
+    (too small, several frames): ``kdeq.imageio.load_image``'s refusals, the header checked before
+    any pixel is decoded."""
     try:
-        im = ImageOps.exif_transpose(im)
-        im.load()
-    except (OSError, ValueError, SyntaxError) as err:
-        raise _undecodable(field, err) from None
+        im = load_image(data, f"`{field}`", max_pixels)
+    except ImageRefusedError as err:
+        raise ApiError(err.status, err.code, err.detail) from None
     alpha, full_scale = None, 255
     if im.mode in SIXTEEN_BIT:
         arr = np.asarray(im, dtype=np.float32)
@@ -131,7 +97,8 @@ def decode_mask(data: bytes, field: str, size: tuple[int, int], max_pixels: int)
     """A mask file → ``(1, H, W)`` bool array, True where any channel is non-zero (a missing pixel);
     ``ApiError`` 422 when its size is not the image's ``size`` ``(H, W)``."""
     mask = decode_image(data, field, max_pixels)
-    if mask.size != size:
-        (h, w), (mh, mw) = size, mask.size
-        raise ApiError(422, "size_mismatch", f"`{field}` is {mw}×{mh} but the image is {w}×{h}")
+    try:
+        check_mask_size(mask.size, size, f"`{field}`")
+    except ImageRefusedError as err:
+        raise ApiError(err.status, err.code, err.detail) from None
     return mask.pixels.max(axis=0, keepdims=True) > 0

@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from kdeq.imageio import MAX_PIXELS, MAX_UNTILED_PIXELS, PIXEL_LIMITS
 from kdeq.predictor import resolve_device
 from kdeq.repository import default_models_dir
 from kdeq.tiling import TILE_SIZE
@@ -62,19 +63,22 @@ class Settings(BaseModel):
         description="largest request body, enforced while reading (413 above): a 24-megapixel photo's "
         "PNG is up to ~75 MB",
     )
+    # the limits' defaults and range are kdeq.imageio's, which `kdeq TASK` applies too
     max_pixels: int = Field(
-        32 * 2**20,
-        ge=64,
-        le=2**27,
+        MAX_PIXELS,
+        ge=PIXEL_LIMITS[0],
+        le=PIXEL_LIMITS[1],
         description="largest image, width × height, checked before decoding (413 above); a model that "
-        "does not solve in tiles takes at most `KDEQ_MAX_UNTILED_PIXELS`",
+        "does not solve in tiles takes at most `KDEQ_MAX_UNTILED_PIXELS`. The default is also "
+        "`kdeq TASK --max-pixels`'s (`kdeq.imageio.MAX_PIXELS`)",
     )
     max_untiled_pixels: int = Field(
-        4 * 2**20,
-        ge=64,
-        le=2**27,
+        MAX_UNTILED_PIXELS,
+        ge=PIXEL_LIMITS[0],
+        le=PIXEL_LIMITS[1],
         description="largest image a model that does not solve in tiles (deblur's) takes (413 above): "
-        "its solve's memory grows with the image",
+        "its solve's memory grows with the image. The default is also `kdeq TASK "
+        "--max-untiled-pixels`'s (`kdeq.imageio.MAX_UNTILED_PIXELS`)",
     )
     tile_size: int = Field(
         TILE_SIZE,
@@ -165,6 +169,14 @@ class Settings(BaseModel):
         description="the folder the guided kernel's compiled loops are kept in (`KDEQ_GUIDED_BACKEND`; "
         "unset: `~/.cache/kdeq/native`, else a private folder of the temporary directory): a volume where "
         "the container's filesystem is read-only",
+    )
+    threads: str = Field(
+        "auto",
+        pattern=r"^(auto|[1-9][0-9]{0,3})$",
+        description="torch's CPU threads for a batch (`kdeq.threads`): `auto` gives each batch the cores "
+        "that were free since the last one (idle, or this process's), at most the cores the process has "
+        "(its CPU affinity and cgroup quota, not the host's CPUs) — one thread while a neighbour holds "
+        "every core, where the threads' barriers would each wait out a scheduler slice; a number fixes it",
     )
     malloc: Literal["keep", "system"] = Field(
         "keep",

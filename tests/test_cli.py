@@ -17,6 +17,7 @@ from kdeq.cli import test_image as piecewise_image
 from kdeq.imageio import read_image, write_png
 from kdeq.initialize import DEFAULT_SPECS
 from kdeq.repository import load_predictor
+from kdeq.samples import SAMPLE_FILES
 from kdeq.tasks import TASKS
 
 
@@ -103,7 +104,7 @@ def test_init_from_a_spec_file_writes_a_loadable_checkpoint(tmp_path, capsys) ->
 def test_samples_writes_images_to_try(tmp_path) -> None:
     assert main(["samples", str(tmp_path / "s")]) == 0
     files = {p.name: Image.open(p) for p in (tmp_path / "s").iterdir()}
-    assert set(files) == {"photo.png", "noisy.png", "holes.png", "scan.png", "counts.png", "impulses.png"}
+    assert set(files) == set(SAMPLE_FILES)
     assert files["photo.png"].mode == "RGB" and files["scan.png"].mode == "L"
     # photon counts of the photo at a peak of 10, as stored: small integers, not a [0, 1] image
     assert files["counts.png"].mode == "L" and 5 <= np.asarray(files["counts.png"]).max() <= 40
@@ -188,7 +189,7 @@ def test_several_inputs_refuse_clashing_names_a_file_as_folder_and_bad_files(tmp
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not an image")
     assert main(["denoise", str(a), str(broken), "-o", str(tmp_path / "out")]) == 2
-    assert "broken.png: not a readable image" in capsys.readouterr().err
+    assert "broken.png is not a PNG, JPEG, WebP or TIFF image" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
