@@ -36,6 +36,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from kdeq.adaptive import GuidedKernel
+from kdeq.atomic import write_files
 from kdeq.conv import Padding
 from kdeq.guidenet import GuideNet
 from kdeq.kernels import Coregional, NotPSDError, require_psd_filter
@@ -369,15 +370,20 @@ def _require_psd(bank: torch.Tensor, what: str, where: Path) -> None:
         raise CheckpointError(f"{where}: {err}") from None
 
 
-def save_checkpoint(
-    directory: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor], provenance: Provenance | None = None
-) -> ModelConfig:
-    """Write ``weights.safetensors`` then ``config.json`` (with the weights' sha256) into ``directory``.
+def checkpoint_files(
+    spec: ModelSpec,
+    tensors: dict[str, torch.Tensor],
+    provenance: Provenance | None = None,
+    where: Path = Path("checkpoint"),
+) -> tuple[ModelConfig, dict[str, bytes]]:
+    """The config of a checkpoint of ``spec`` and ``tensors``, and the bytes of its files by name in
+    the order they are written (``config.json``, naming the weights' sha256, last), checked as
+    ``load_checkpoint`` checks them (errors name ``where``); nothing is written.
 
     The bytes depend only on the arguments, so rebuilding a checkpoint reproduces it exactly.
     """
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sorted(tensors.items())}
-    _check_tensors(spec, tensors, directory)
+    _check_tensors(spec, tensors, where)
     blob = save_safetensors(tensors)
     config = ModelConfig(
         **spec.model_dump(),
@@ -386,9 +392,20 @@ def save_checkpoint(
         provenance=provenance or Provenance(),
         weights_sha256=hashlib.sha256(blob).hexdigest(),
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / WEIGHTS_FILE).write_bytes(blob)
-    (directory / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n")
+    return config, {WEIGHTS_FILE: blob, CONFIG_FILE: (config.model_dump_json(indent=2) + "\n").encode()}
+
+
+def save_checkpoint(
+    directory: Path, spec: ModelSpec, tensors: dict[str, torch.Tensor], provenance: Provenance | None = None
+) -> ModelConfig:
+    """Write ``checkpoint_files`` (``weights.safetensors``, ``config.json``) into ``directory``.
+
+    Written as one set (``kdeq.atomic.write_files``): a crash or Ctrl-C leaves the checkpoint the
+    folder held before, or none (no ``config.json``), never new weights beside an old config or a
+    file cut short.
+    """
+    config, files = checkpoint_files(spec, tensors, provenance, directory)
+    write_files(directory, files)
     return config
 
 

@@ -32,6 +32,7 @@ from kdeq.denoise import Denoiser
 from kdeq.tasks import TASKS
 from kdeq.train.data import Corruption, image_files, load_images, validation_set
 from kdeq.train.objectives import psnr
+from kdeq.train.preflight import check_writable
 
 
 def with_bandwidth(checkpoint: Checkpoint, factor: float) -> Checkpoint:
@@ -67,6 +68,7 @@ def calibrate(
     PSNR over ``levels`` is highest; returns the scores."""
     if out.exists():
         raise ValueError(f"{out} exists; calibrate writes a new folder")
+    check_writable(out)  # before the scoring, which takes a while
     if not factors or any(f <= 0 for f in factors):
         raise ValueError("factors must be positive")
     checkpoint = load_checkpoint(source)

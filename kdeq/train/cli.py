@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import get_args
 
 from pydantic import ValidationError
@@ -11,8 +13,9 @@ from pydantic import ValidationError
 from kdeq.checkpoint import CheckpointError
 from kdeq.tasks import TASKS
 from kdeq.train.config import TrainConfig
-from kdeq.train.data import DEBLUR_PSFS, MASK_KINDS
+from kdeq.train.data import MASK_KINDS
 from kdeq.train.objectives import SquaredError
+from kdeq.train.preflight import STATE_DIR, require, state_history
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -24,134 +27,153 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.split(",") if v)
 
 
+def _shown(value: object, nargs: object) -> str:
+    """``value`` as the option takes it: a list of values spaced (``nargs``), a pair comma-joined."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple | list):
+        if not value:
+            return "none"
+        return (" " if nargs in ("+", "*") else ",").join(_shown(v, None) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _option(p: argparse.ArgumentParser, flag: str, default: str | None = None, **kwargs: object) -> None:
+    """``flag``, the option of the ``TrainConfig`` field of its name: its help is the field's description
+    and its default (``default``: what the default is, where the option's own differs from the
+    field's), or ``required``. argparse keeps no default of its own (``None``: not given), so that
+    ``TrainConfig``'s applies: one source for both."""
+    name = flag.removeprefix("--").replace("-", "_")
+    field = TrainConfig.model_fields[name]
+    if default is None and field.is_required():
+        kwargs["required"] = True
+        tail = "required"
+    else:
+        tail = f"default: {default or _shown(field.default, kwargs.get('nargs'))}"
+    # argparse formats help with %: a description's own % must stay one
+    p.add_argument(flag, help=f"{field.description} ({tail})".replace("%", "%%"), **kwargs)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The trainer's options (see ``TrainConfig`` for what each means)."""
+    """The trainer's options: one per ``TrainConfig`` field, described by it, and ``--quiet``."""
     # every registered task: one without training hooks is refused by TrainConfig, with the reason
-    p.add_argument("--task", required=True, choices=list(TASKS))
-    p.add_argument(
-        "--spec",
-        help="a default model's name, a ModelSpec JSON file or a checkpoint folder (default: <task>-kglm)",
-    )
-    p.add_argument("--init", choices=("kglm", "random"), default="kglm")
-    p.add_argument(
-        "--warm-start",
-        metavar="DIR",
-        help="a checkpoint whose tensors of the spec's names (a guide network) replace the start's",
-    )
-    p.add_argument(
-        "--train-only",
-        nargs="+",
-        metavar="PREFIX",
-        help="train only the tensors whose names start with one of these (e.g. net_refine_)",
-    )
-    p.add_argument(
-        "--colour-net",
-        type=int,
-        metavar="N",
-        help="grow the spec's guide network a joint colour network of N features",
-    )
-    p.add_argument("--train", nargs="+", required=True, metavar="DIR", help="training image folders")
-    p.add_argument("--val", nargs="+", required=True, metavar="DIR", help="validation image folders")
-    p.add_argument("--out", required=True, help="models/NAME/VERSION")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--samples-per-epoch", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=8, help="per rank")
-    p.add_argument("--patch-size", type=int, default=64)
-    p.add_argument(
-        "--loss", choices=get_args(SquaredError), default="log_mse", help="the Gaussian tasks' loss"
-    )
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--schedule", choices=("cosine", "constant"), default="cosine")
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--sigma", type=_pair, default=(0.0, 55.0), metavar="LO,HI", help="noise range, 0–255")
-    p.add_argument("--clip-noise", action="store_true", help="clip noisy inputs to [0, 1]")
-    p.add_argument("--mask-kinds", nargs="+", choices=MASK_KINDS, default=list(MASK_KINDS))
-    p.add_argument("--missing", type=_pair, default=(0.2, 0.9), metavar="LO,HI")
-    p.add_argument("--flip", type=float, default=0.1, help="largest label-flip fraction (segment)")
-    p.add_argument(
-        "--peaks",
-        type=_pair,
-        default=(1.0, 30.0),
-        metavar="LO,HI",
-        help="photon counts of white, drawn log-uniformly (denoise-poisson)",
-    )
-    p.add_argument(
-        "--psfs", nargs="+", default=list(DEBLUR_PSFS), metavar="PSF", help="blurs drawn per step (deblur)"
-    )
-    p.add_argument(
-        "--scales",
-        nargs="+",
-        type=int,
-        default=[2, 3, 4],
-        metavar="S",
-        help="factors drawn per step (super-resolve)",
-    )
-    p.add_argument("--train-tol", type=float)
-    p.add_argument("--train-max-iter", type=int)
-    p.add_argument("--eval-tol", type=float)
-    p.add_argument("--eval-max-iter", type=int)
-    p.add_argument("--backward", choices=("implicit", "jacobian_free"), default="implicit")
-    p.add_argument(
-        "--pilot-loss", type=float, default=1.0, help="weight of a guide network's pilot in the loss"
-    )
-    p.add_argument(
-        "--pilot-epochs", type=int, default=0, help="first epochs train a guide network's pilot alone"
-    )
-    p.add_argument("--min-converged", type=float, default=0.5)
-    p.add_argument("--max-rollbacks", type=int, default=20)
-    p.add_argument("--val-levels", type=_floats, default=(), metavar="A,B,…")
-    p.add_argument("--val-limit", type=int, default=8)
-    p.add_argument("--val-crop", type=int, default=0)
-    p.add_argument("--channels", type=int, choices=(1, 3), default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda or cuda:N")
-    p.add_argument("--workers", type=int, default=1, help="data-loading processes")
-    p.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=3600.0,
-        metavar="SECONDS",
-        help="under torchrun: how long a rank waits for the others, rank 0's validation included",
-    )
-    p.add_argument("--resume", action="store_true", help="continue from OUT/train-state")
-    p.add_argument("--stop-after", type=int, metavar="EPOCH", help="end after this epoch (resume later)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _option(p, "--task", choices=list(TASKS))
+    _option(p, "--spec", default="<task>-kglm")
+    _option(p, "--init", choices=("kglm", "random"))
+    _option(p, "--warm-start", metavar="DIR")
+    _option(p, "--train-only", nargs="+", metavar="PREFIX")
+    _option(p, "--colour-net", type=int, metavar="N")
+    _option(p, "--train", nargs="+", metavar="DIR")
+    _option(p, "--val", nargs="+", metavar="DIR")
+    _option(p, "--out", metavar="DIR")
+    _option(p, "--epochs", type=int, metavar="N")
+    _option(p, "--samples-per-epoch", type=int, metavar="N")
+    _option(p, "--batch-size", type=int, metavar="N")
+    _option(p, "--patch-size", type=int, metavar="PIXELS")
+    _option(p, "--loss", choices=get_args(SquaredError))
+    _option(p, "--lr", type=float)
+    _option(p, "--schedule", choices=("cosine", "constant"))
+    _option(p, "--warmup-steps", type=int, metavar="N")
+    _option(p, "--clip-grad", type=float, metavar="NORM")
+    _option(p, "--sigma", type=_pair, metavar="LO,HI")
+    _option(p, "--clip-noise", action="store_true")
+    _option(p, "--mask-kinds", nargs="+", choices=MASK_KINDS)
+    _option(p, "--missing", type=_pair, metavar="LO,HI")
+    _option(p, "--flip", type=float, metavar="FRACTION")
+    _option(p, "--peaks", type=_pair, metavar="LO,HI")
+    _option(p, "--psfs", nargs="+", metavar="PSF")
+    _option(p, "--scales", nargs="+", type=int, metavar="S")
+    _option(p, "--train-tol", type=float, metavar="TOL")
+    _option(p, "--train-max-iter", type=int, metavar="N")
+    _option(p, "--eval-tol", type=float, metavar="TOL")
+    _option(p, "--eval-max-iter", type=int, metavar="N")
+    _option(p, "--backward", choices=("implicit", "jacobian_free"))
+    _option(p, "--pilot-loss", type=float, metavar="W")
+    _option(p, "--pilot-epochs", type=int, metavar="N")
+    _option(p, "--min-converged", type=float, metavar="FRACTION")
+    _option(p, "--max-rollbacks", type=int, metavar="N")
+    _option(p, "--val-levels", type=_floats, metavar="A,B,…")
+    _option(p, "--val-limit", type=int, metavar="N")
+    _option(p, "--val-crop", type=int, metavar="PIXELS")
+    _option(p, "--channels", type=int, choices=(1, 3))
+    _option(p, "--seed", type=int)
+    _option(p, "--device")
+    _option(p, "--workers", type=int, metavar="N")
+    _option(p, "--dist-timeout", type=float, metavar="SECONDS")
+    _option(p, "--resume", action="store_true")
+    _option(p, "--stop-after", type=int, metavar="EPOCH")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (default: off, bars on stderr)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """``TrainConfig`` of the options given (those not given take its defaults)."""
     fields = set(TrainConfig.model_fields)
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     values["spec"] = args.spec or f"{args.task}-kglm"
-    values["mask_kinds"] = tuple(args.mask_kinds)
-    values["psfs"], values["scales"] = tuple(args.psfs), tuple(args.scales)
-    values["train_only"] = tuple(args.train_only or ())
     return TrainConfig.model_validate(values)
 
 
+def _one_line(err: Exception) -> str:
+    """``err``'s message on one line; a ``ValidationError``'s as ``--option: problem`` per error."""
+    if isinstance(err, ValidationError):
+        parts = []
+        for e in err.errors():
+            where = "--" + "-".join(str(e["loc"][0]).split("_")) if e["loc"] else ""
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            parts.append(f"{where}: {msg}" if where else msg)
+        text = "; ".join(parts)
+    else:
+        text = str(err)
+    return " ".join(text.split())
+
+
+def _progress_bars() -> Callable[[int], object]:
+    """tqdm bars on standard error (``MissingExtraError`` without tqdm)."""
+    tqdm = require("tqdm", "progress bars", "pass --quiet").tqdm
+
+    def progress(total: int) -> object:
+        return tqdm(total=total, dynamic_ncols=True, unit="step")
+
+    return progress
+
+
+def _after_interrupt(out: Path) -> str:
+    """What an interrupted run left in ``out``, and what to do next."""
+    try:
+        state = state_history(out)
+    except ValueError:
+        state = None
+    if state is not None:
+        return (
+            f"{out / STATE_DIR} holds epoch {state[1]['epoch']}: rerun the command with --resume to continue"
+        )
+    if out.exists():
+        return f"{out} holds no state to resume: rerun the command into another version"
+    return f"nothing was written to {out}"
+
+
 def run(args: argparse.Namespace) -> int:
-    """Train; exit status 0, or 2 with a message for bad settings or data, 4 when training failed."""
+    """Train; exit status 0, or 2 with one line for bad settings or data, or for what the run would
+    have needed (``kdeq.train.preflight``), before anything is written; 4 when training failed; 130
+    when interrupted (Ctrl-C), saying how to continue."""
     from kdeq.train.loop import TrainingError, train
 
     try:
         cfg = config_from_args(args)
-        progress = None
-        if not args.quiet:
-            from tqdm import tqdm
-
-            def progress(total: int) -> tqdm:
-                return tqdm(total=total, dynamic_ncols=True, unit="step")
-
-        report = train(cfg, progress)
-    except (ValidationError, ValueError, CheckpointError, OSError) as err:
-        print(f"kdeq train: error: {err}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as err:
-        print(f"kdeq train: needs {err.name}: pip install 'kdeq[train]'", file=sys.stderr)
+        report = train(cfg, None if args.quiet else _progress_bars())
+    except (ValueError, CheckpointError, OSError) as err:  # ValidationError is a ValueError
+        print(f"kdeq train: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except TrainingError as err:
-        print(f"kdeq train: failed: {err}", file=sys.stderr)
+        print(f"kdeq train: failed: {_one_line(err)}", file=sys.stderr)
         return 4
+    except KeyboardInterrupt:
+        print(f"kdeq train: interrupted; {_after_interrupt(Path(args.out))}", file=sys.stderr)
+        return 130
     hist = report["history"]
     if not hist["epochs"]:  # another rank's process: rank 0 reports
         return 0

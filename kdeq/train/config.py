@@ -14,116 +14,163 @@ from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS
 from kdeq.psf import SR_SCALES, parse_psf
 from kdeq.tasks import TASKS
 from kdeq.tasks.denoise_poisson import MAX_PEAK
-from kdeq.train.data import DEBLUR_PSFS, Corruption, MaskKind
+from kdeq.train.data import DEBLUR_PSFS, MASK_KINDS, Corruption, MaskKind
 from kdeq.train.objectives import SquaredError
 
 
 class TrainConfig(BaseModel):
-    """What ``kdeq train`` does.
+    """What ``kdeq train`` does: each field's description says what it means (``kdeq train --help``
+    shows them with the defaults; ``kdeq.train.cli`` makes its options from them).
 
-    Attributes:
-        task: a registered task (``kdeq.tasks.TASKS``) that defines its training hooks
-            (``kdeq.tasks.base.TRAINING_HOOKS``); must match the spec's.
-        spec: a shipped default's name (``denoise-kglm``, …), a ``ModelSpec`` JSON file or a
-            checkpoint folder (its spec, learned ``λ`` included): the architecture, kernel, ``λ``
-            rule and solver the model starts from.
-        init: ``kglm`` (closed form from the spec's kernel) or ``random`` (same architecture).
-        warm_start: a checkpoint folder whose tensors replace the start's where the spec has one of
-            the same name (and must then have its shape): e.g. a Gaussian denoiser's guide network
-            as the photon-count model's start. At least one must be shared.
-        train_only: when given, the tensors trained are those whose names start with one of these
-            (``net_refine_``: the denoiser's non-local refinement, ``kdeq.refine``); every other tensor
-            and the ``λ`` factor stay as they start. Empty: the whole model.
-        colour_net: grow the spec's σ-conditioned guide network a joint colour network of this many
-            features (``kdeq.guidenet``), from ``init``'s start: with ``--warm-start`` on a trained
-            denoiser and ``channels = 3``, training moves only what colour images reach.
-        train, val: image folders (PNG/JPEG/TIFF).
-        out: ``models/<name>/<version>``: the best checkpoint by validation, with ``report/`` and
-            ``train-state/`` (for ``resume``) inside.
-        epochs, samples_per_epoch, batch_size, patch_size: the budget (per rank, ``batch_size``).
-        loss: ``log_mse`` (mean over samples of ``ln MSE``, i.e. of −PSNR: high-noise samples do not
-            drown low-noise ones) or ``mse``, for the Gaussian tasks; a task may have its own loss
-            (segment: cross-entropy).
-        lr, schedule, warmup_steps, clip_grad: Adam's step size, cosine or constant decay to 0 after a
-            linear warm-up, and the gradient-norm bound.
-        sigma, clip_noise: noise levels (0–255) drawn uniformly; clip noisy inputs to [0, 1].
-        mask_kinds, missing: inpainting masks and the missing fraction of ``pixels`` masks.
-        flip: largest label-flip fraction (segment).
-        psfs: named PSFs (``gaussian:SIGMA``, ``disk:RADIUS``, ``motion:LENGTH[,ANGLE]``) the blurs are
-            drawn from, one per step (deblur; a PSF not even in each axis makes every solve CG).
-        scales: factors drawn from, one per step (super-resolve; each in 2, 3, 4).
-        peaks: the photon counts of white, a range drawn log-uniformly (denoise-poisson).
-            These eight are the run's ``corruption()``, which each task reads what it needs from.
-        train_tol, train_max_iter: forward-solver settings while training (``None``: the model's).
-        eval_tol, eval_max_iter: solver settings for validation (``None``: the model's).
-        backward: ``implicit`` or ``jacobian_free`` gradients.
-        pilot_loss: weight of the guide network's pilot in the loss (``loss(output) + w·loss(pilot)``;
-            models with a guide network only).
-        pilot_epochs: the first epochs train the guide network on its pilot alone, without the
-            solve (several times cheaper a step); later epochs train the whole model.
-        min_converged: fraction of a batch's solves that must converge; below it (or with a non-finite
-            loss or gradient) the step is rolled back to the last good state and the step size halved.
-        max_rollbacks: stop with an error after this many rollbacks.
-        val_levels: validation levels, what the task's corruption takes as its ``level`` (denoise: noise
-            levels, inpaint: mask-kind indices, segment: flip fractions); none: the task's defaults.
-        val_limit, val_crop: at most this many validation images, centre-cropped to this side (0: whole).
-        channels: 1 (grey; colour files become luminance) or 3.
-        seed, device, workers: randomness, ``auto``/``cpu``/``cuda[:N]``, data-loading processes.
-        dist_timeout: under ``torchrun``, seconds a rank waits in a collective before the run fails.
-            Every other rank waits while rank 0 validates and writes an epoch's results, so this
-            must exceed that (the backends' own defaults, 10 minutes for nccl, may not).
-        resume: continue from ``out/train-state`` (same settings; ``stop_after``, ``workers``,
-            ``device`` and ``dist_timeout`` may differ).
-        stop_after: end this process after that epoch (state saved), e.g. in time-limited jobs.
+    ``sigma``, ``clip_noise``, ``mask_kinds``, ``missing``, ``flip``, ``psfs``, ``scales`` and
+    ``peaks`` are the run's ``corruption()``, which each task reads what it needs from.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    task: str
-    spec: str
-    init: Literal["kglm", "random"] = "kglm"
-    warm_start: Path | None = None
-    train_only: tuple[str, ...] = ()
-    colour_net: int | None = Field(None, ge=4, le=256)
-    train: tuple[Path, ...] = Field(min_length=1)
-    val: tuple[Path, ...] = Field(min_length=1)
-    out: Path
-    epochs: int = Field(10, ge=1)
-    samples_per_epoch: int = Field(512, ge=1)
-    batch_size: int = Field(8, ge=1)
-    patch_size: int = Field(64, ge=8)
-    loss: SquaredError = "log_mse"
-    lr: float = Field(2e-3, gt=0)
-    schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    clip_grad: float = Field(1.0, gt=0)
-    sigma: tuple[float, float] = (0.0, 55.0)
-    clip_noise: bool = False
-    mask_kinds: tuple[MaskKind, ...] = ("pixels", "blocks", "strokes")
-    missing: tuple[float, float] = (0.2, 0.9)
-    flip: float = Field(0.1, ge=0, le=0.5)
-    psfs: tuple[str, ...] = Field(DEBLUR_PSFS, min_length=1)
-    scales: tuple[int, ...] = Field((2, 3, 4), min_length=1)
-    peaks: tuple[float, float] = (1.0, 30.0)
-    train_tol: float | None = Field(None, gt=0)
-    train_max_iter: int | None = Field(None, ge=1)
-    eval_tol: float | None = Field(None, gt=0)
-    eval_max_iter: int | None = Field(None, ge=1)
-    backward: Backward = "implicit"
-    pilot_loss: float = Field(1.0, ge=0)
-    pilot_epochs: int = Field(0, ge=0)
-    min_converged: float = Field(0.5, ge=0, le=1)
-    max_rollbacks: int = Field(20, ge=0)
-    val_levels: tuple[float, ...] = ()
-    val_limit: int = Field(8, ge=1)
-    val_crop: int = Field(0, ge=0)
-    channels: Literal[1, 3] = 1
-    seed: int = 0
-    device: str = "auto"
-    workers: int = Field(1, ge=0)
-    dist_timeout: float = Field(3600.0, gt=0)
-    resume: bool = False
-    stop_after: int | None = Field(None, ge=1)
+    task: str = Field(
+        description="a registered task (kdeq.tasks.TASKS) that defines its training hooks "
+        "(kdeq.tasks.base.TRAINING_HOOKS); must match the spec's"
+    )
+    spec: str = Field(
+        description="a shipped default's name (denoise-kglm, …), a ModelSpec JSON file or a checkpoint "
+        "folder (its spec, learned λ included): the architecture, kernel, λ rule and solver the model "
+        "starts from"
+    )
+    init: Literal["kglm", "random"] = Field(
+        "kglm",
+        description="the start: kglm, the closed form from the spec's kernel, or random, the same "
+        "architecture at random",
+    )
+    warm_start: Path | None = Field(
+        None,
+        description="a checkpoint folder whose tensors replace the start's where the spec has one of the "
+        "same name (and must then have its shape), e.g. a Gaussian denoiser's guide network as the "
+        "photon-count model's start; at least one must be shared",
+    )
+    train_only: tuple[str, ...] = Field(
+        (),
+        description="train only the tensors whose names start with one of these (net_refine_: the "
+        "denoiser's non-local refinement, kdeq.refine); every other tensor and the λ factor stay as they "
+        "start; none: the whole model",
+    )
+    colour_net: int | None = Field(
+        None,
+        ge=4,
+        le=256,
+        description="grow the spec's σ-conditioned guide network a joint colour network of this many "
+        "features (kdeq.guidenet), from init's start: with warm_start on a trained denoiser and 3 "
+        "channels, training moves only what colour images reach",
+    )
+    train: tuple[Path, ...] = Field(min_length=1, description="training image folders (PNG, JPEG, TIFF)")
+    val: tuple[Path, ...] = Field(min_length=1, description="validation image folders (PNG, JPEG, TIFF)")
+    out: Path = Field(
+        description="models/<name>/<version>, a version not taken: the best checkpoint by validation, "
+        "with report/ and train-state/ (for resume) inside"
+    )
+    epochs: int = Field(10, ge=1, description="epochs to train")
+    samples_per_epoch: int = Field(512, ge=1, description="training patches drawn per epoch")
+    batch_size: int = Field(8, ge=1, description="patches per step, per rank")
+    patch_size: int = Field(64, ge=8, description="side of the square training patches, in pixels")
+    loss: SquaredError = Field(
+        "log_mse",
+        description="the Gaussian tasks' loss: log_mse (the mean over samples of ln MSE, i.e. of −PSNR: "
+        "high-noise samples do not drown low-noise ones) or mse; a task may have its own "
+        "(segment: cross-entropy)",
+    )
+    lr: float = Field(2e-3, gt=0, description="Adam's step size")
+    schedule: Literal["cosine", "constant"] = Field(
+        "cosine", description="the step size after the warm-up: a cosine decay to 0, or constant"
+    )
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up of the step size")
+    clip_grad: float = Field(1.0, gt=0, description="bound on the gradient's norm")
+    sigma: tuple[float, float] = Field(
+        (0.0, 55.0), description="noise levels (0–255), a range drawn uniformly"
+    )
+    clip_noise: bool = Field(False, description="clip noisy inputs to [0, 1]")
+    mask_kinds: tuple[MaskKind, ...] = Field(MASK_KINDS, description="the inpainting mask kinds drawn from")
+    missing: tuple[float, float] = Field(
+        (0.2, 0.9), description="the missing fraction of pixels masks, a range drawn uniformly (inpaint)"
+    )
+    flip: float = Field(0.1, ge=0, le=0.5, description="the largest label-flip fraction (segment)")
+    psfs: tuple[str, ...] = Field(
+        DEBLUR_PSFS,
+        min_length=1,
+        description="named PSFs (gaussian:SIGMA, disk:RADIUS, motion:LENGTH[,ANGLE]) the blurs are drawn "
+        "from, one per step (deblur; a PSF not even in each axis makes every solve CG)",
+    )
+    scales: tuple[int, ...] = Field(
+        (2, 3, 4),
+        min_length=1,
+        description="factors drawn from, one per step (super-resolve; each 2, 3 or 4)",
+    )
+    peaks: tuple[float, float] = Field(
+        (1.0, 30.0), description="photon counts of white, a range drawn log-uniformly (denoise-poisson)"
+    )
+    train_tol: float | None = Field(
+        None, gt=0, description="the forward solver's tolerance while training; unset: the model's"
+    )
+    train_max_iter: int | None = Field(
+        None, ge=1, description="the forward solver's iteration limit while training; unset: the model's"
+    )
+    eval_tol: float | None = Field(
+        None, gt=0, description="the solver's tolerance for validation; unset: the model's"
+    )
+    eval_max_iter: int | None = Field(
+        None, ge=1, description="the solver's iteration limit for validation; unset: the model's"
+    )
+    backward: Backward = Field(
+        "implicit", description="gradients by implicit differentiation, or jacobian_free (cheaper, JFB)"
+    )
+    pilot_loss: float = Field(
+        1.0,
+        ge=0,
+        description="weight w of a guide network's pilot in the loss, loss(output) + w·loss(pilot) "
+        "(models with a guide network)",
+    )
+    pilot_epochs: int = Field(
+        0,
+        ge=0,
+        description="the first epochs train the guide network on its pilot alone, without the solve "
+        "(several times cheaper a step); later epochs train the whole model",
+    )
+    min_converged: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="fraction of a batch's solves that must converge; below it (or with a non-finite "
+        "loss or gradient) the step is rolled back to the last good state and the step size halved",
+    )
+    max_rollbacks: int = Field(20, ge=0, description="stop with an error after this many rollbacks")
+    val_levels: tuple[float, ...] = Field(
+        (),
+        description="validation levels, what the task's corruption takes as its level (denoise: noise "
+        "levels, inpaint: mask-kind indices, segment: flip fractions); none: the task's defaults",
+    )
+    val_limit: int = Field(8, ge=1, description="at most this many validation images")
+    val_crop: int = Field(0, ge=0, description="centre-crop the validation images to this side (0: whole)")
+    channels: Literal[1, 3] = Field(1, description="1 (grey; colour files become luminance) or 3")
+    seed: int = Field(0, description="the seed of every sample, the validation inputs and a random start")
+    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N")
+    workers: int = Field(1, ge=0, description="data-loading processes (0: the training process loads)")
+    dist_timeout: float = Field(
+        3600.0,
+        gt=0,
+        description="under torchrun, seconds a rank waits in a collective before the run fails; every "
+        "other rank waits while rank 0 validates and writes an epoch's results, so this must exceed that "
+        "(the backends' own defaults, 10 minutes for nccl, may not)",
+    )
+    resume: bool = Field(
+        False,
+        description="continue from out/train-state (same settings; stop_after, workers, device and "
+        "dist_timeout may differ)",
+    )
+    stop_after: int | None = Field(
+        None,
+        ge=1,
+        description="end this process after that epoch, its state saved to resume later (time-limited "
+        "jobs); unset: after the last",
+    )
 
     @field_validator("task")
     @classmethod

@@ -39,6 +39,7 @@ from torch import nn
 
 from kdeq.solvers import SolverConfig
 from kdeq.train.experiment import machine, mean_std, run_and_write
+from kdeq.train.preflight import pyplot, require
 
 PARAM_TOLERANCE = 0.02  # the two models' parameter counts may differ by at most this fraction
 KNOWN = (0, 1, 2, 3, 4)  # the classes the unseen-class models are trained on
@@ -66,11 +67,11 @@ class Setup:
 def digits(seed: int, test_fraction: float) -> dict[str, torch.Tensor]:
     """The digits split by ``seed`` (stratified): ``x (N, 64)`` standardised with the training
     split's per-pixel mean and std (pixels constant on the training split keep std 1), ``y (N,)``."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    datasets = require("sklearn.datasets", "the digits experiments")
+    selection = require("sklearn.model_selection", "the digits experiments")
 
-    data = load_digits()
-    x_tr, x_te, y_tr, y_te = train_test_split(
+    data = datasets.load_digits()
+    x_tr, x_te, y_tr, y_te = selection.train_test_split(
         data.data, data.target, test_size=test_fraction, random_state=seed, stratify=data.target
     )
     x_tr, x_te = torch.tensor(x_tr, dtype=torch.float32), torch.tensor(x_te, dtype=torch.float32)
@@ -407,10 +408,7 @@ def table_markdown(result: dict) -> str:
 def plot(path: Path, result: dict) -> None:
     """Test accuracy against γ (log axis), mean ± std over seeds with the seeds as dots, and
     OptEq's mean ± std at equal parameters as a band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = result["summary"]
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=100)

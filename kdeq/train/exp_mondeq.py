@@ -60,6 +60,7 @@ import torch
 
 from kdeq.solvers import SolverConfig
 from kdeq.train.experiment import machine, mean_std, run_and_write
+from kdeq.train.preflight import pyplot, require
 
 CONVERGED_BELOW = 1e-6  # a trajectory converged when its final relative residual is below this
 DIVERGED_ABOVE = 1e8  # ... diverged when an iterate's norm exceeds this (or is not finite)
@@ -91,9 +92,7 @@ def digits_subset(count: int, seed: int, offset: int = 0) -> tuple[torch.Tensor,
     """``count`` digits drawn by ``seed`` (after skipping ``offset`` of the permutation): ``x (count, 64)``
     standardised per pixel over the whole set and scaled to unit norm per row, float64, and
     ``y (count,)`` = ±1 (digits 5–9 positive)."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
+    data = require("sklearn.datasets", "the digits experiments").load_digits()
     x = torch.tensor(data.data, dtype=torch.float64)
     std = x.std(0)
     x = (x - x.mean(0)) / torch.where(std > 0, std, torch.ones_like(std))
@@ -481,10 +480,7 @@ def table_markdown(result: dict) -> str:
 def plot_gd(path: Path, result: dict) -> None:
     """``ln L(k)`` per seed with the theorem's bound ``L(0)(1 − ηλ₀²/4)^k`` dashed, and
     ``λ_min(K(t))`` with ``σ_min(Z(t))²`` over the tracked steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=100)
     for i, r in enumerate(result["gd"]):
@@ -513,10 +509,7 @@ def plot_gd(path: Path, result: dict) -> None:
 def plot_stability(path: Path, result: dict) -> None:
     """Per initial variance (columns): the residual and the amplification (rows) against the
     step, one line per seed and iteration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     variances = result["setup"]["variances"]
     fig, axes = plt.subplots(2, len(variances), figsize=(5 * len(variances), 6.4), dpi=100, squeeze=False)

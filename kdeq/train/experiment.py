@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from kdeq.atomic import write_files
+from kdeq.train.preflight import check_writable, pyplot
+
 Plot = Callable[[Path, dict], None]
 
 
@@ -44,18 +47,22 @@ def run_and_write(
     """``compute()``'s result written to ``out/results.json``, ``table(result)`` to ``out/table.md``
     (and printed) and each of ``plots`` drawn to ``out/<file name>``; 0, or 2 with the error on
     standard error where the run refuses its setup or a file cannot be written (``ValueError``,
-    ``OSError``)."""
+    ``OSError``). What the writing needs (a writable ``out``, matplotlib for ``plots``) is checked
+    before ``compute`` runs, and nothing is written before it has finished."""
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        check_writable(out)
+        if plots:
+            pyplot()
         result = compute()
+        text = table(result)
+        write_files(
+            out, {"results.json": (json.dumps(result, indent=1) + "\n").encode(), "table.md": text.encode()}
+        )
+        for file_name, plot in plots.items():
+            plot(out / file_name, result)
     except (ValueError, OSError) as err:
         print(f"kdeq experiment {name}: error: {err}", file=sys.stderr)
         return 2
-    (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = table(result)
-    (out / "table.md").write_text(text)
-    for file_name, plot in plots.items():
-        plot(out / file_name, result)
     print(text)
     print("wrote " + ", ".join(str(out / n) for n in ("results.json", "table.md", *plots)))
     return 0

@@ -45,6 +45,7 @@ from kdeq.solvers import SolverConfig
 from kdeq.spectral import circular_spectral_norm
 from kdeq.train.data import image_files, load_images, random_patch, sample_generator
 from kdeq.train.experiment import mean_std, run_and_write
+from kdeq.train.preflight import pyplot
 
 FAILED_BELOW = 0.9  # a run fails at an epoch when fewer of its test solves converge
 
@@ -243,10 +244,7 @@ def table_markdown(rows: list[dict]) -> str:
 def scatter(path: Path, result: dict) -> None:
     """Test MSE against mean spectral norm per epoch (log-log), kGLM blue and random red; failed
     runs at the top border."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runs = result["runs"]
     epochs = len(runs[0]["epochs"])

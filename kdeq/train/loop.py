@@ -43,13 +43,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from kdeq import backends, native, netprecision
-from kdeq.checkpoint import Provenance, save_checkpoint
+from kdeq.atomic import write_files
+from kdeq.checkpoint import ModelSpec, Provenance, checkpoint_files, save_checkpoint
 from kdeq.precision import ieee_float32
 from kdeq.predictor import SolverOverride, resolve_device
 from kdeq.tasks import TASKS, Task
@@ -62,10 +64,8 @@ from kdeq.train.data import (
     validation_set,
 )
 from kdeq.train.model import TrainableModel, start_tensors
+from kdeq.train.preflight import REPORT_DIR, STATE_DIR, STATE_FILE, check_out, check_space, pyplot
 from kdeq.train.report import write_report
-
-STATE_DIR = "train-state"
-REPORT_DIR = "report"
 
 
 class TrainingError(RuntimeError):
@@ -194,19 +194,21 @@ def _worker_init(_: int) -> None:
 def _save_state(
     directory: Path, model: TrainableModel, opt: torch.optim.Adam, hist: History, fp: str
 ) -> None:
-    """Parameters and Adam's moments (safetensors) and the counters (JSON), replaced atomically."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Parameters and Adam's moments (safetensors) and the counters (JSON), replaced as one set
+    (``kdeq.atomic.write_files``): an interrupted run leaves the previous epoch's state whole."""
     tensors = {f"param.{k}": v.detach().cpu().contiguous() for k, v in model.named_parameters()}
     for i, name in enumerate(_adam_order(model, opt)):
         for key, value in opt.state_dict()["state"].get(i, {}).items():
             tensors[f"adam.{name}.{key}"] = value.detach().cpu().contiguous()
-    tmp = directory / "state.safetensors.tmp"
-    save_file(tensors, str(tmp))
-    tmp.replace(directory / "state.safetensors")
     meta = {"fingerprint": fp, "history": hist.__dict__}
-    tmp = directory / "state.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    tmp.replace(directory / "state.json")
+    # the counters last: their file marks the state complete (kdeq.train.preflight reads it)
+    write_files(
+        directory,
+        {
+            "state.safetensors": save_safetensors(tensors),
+            STATE_FILE: (json.dumps(meta, indent=1) + "\n").encode(),
+        },
+    )
 
 
 def _adam_order(model: TrainableModel, opt: torch.optim.Adam) -> list[str]:
@@ -217,16 +219,10 @@ def _adam_order(model: TrainableModel, opt: torch.optim.Adam) -> list[str]:
     return [by_id[id(p)] for group in opt.param_groups for p in group["params"]]
 
 
-def _load_state(directory: Path, model: TrainableModel, opt: torch.optim.Adam, fp: str) -> History:
-    meta_path = directory / "state.json"
-    if not meta_path.is_file():
-        raise ValueError(f"nothing to resume: {meta_path} does not exist")
-    meta = json.loads(meta_path.read_text())
-    if meta["fingerprint"] != fp:
-        raise ValueError(
-            f"{directory}: these settings or the number of ranks differ from the run being resumed "
-            "(only --stop-after, --workers, --device and --dist-timeout may change)"
-        )
+def _load_state(directory: Path, model: TrainableModel, opt: torch.optim.Adam) -> History:
+    """The saved parameters and Adam's moments into ``model`` and ``opt``; the saved counters. That
+    the state exists and has this run's settings is ``check_out``'s to say, before the run starts."""
+    meta = json.loads((directory / STATE_FILE).read_text())
     tensors = load_file(str(directory / "state.safetensors"))
     params = dict(model.named_parameters())
     with torch.no_grad():
@@ -313,8 +309,12 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
     of the time left covers the whole run. Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks train
     one model with DistributedDataParallel (gloo on the CPU, nccl on CUDA), each on its share of
     every batch.
+
+    Everything the run needs only when it writes is checked before anything else (``preflight``):
+    a run that cannot finish raises ``ValueError`` with nothing written.
     """
     rank = Rank.from_env()
+    preflight(cfg, rank)
     device, backend = _device(cfg, rank)
     owned = rank.world > 1 and not dist.is_initialized()
     if owned:
@@ -337,11 +337,37 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             dist.destroy_process_group()
 
 
+def preflight(cfg: TrainConfig, rank: Rank) -> None:
+    """``ValueError`` (``MissingExtraError`` for the ``train`` extra) for what would otherwise stop the
+    run at its first write: ``out`` taken (a checkpoint, another run's state) or, with ``resume``,
+    without this run's state; and, on the rank that writes, ``out`` not writable or the report's
+    plotting not installed. Nothing is written. (The settings were checked as ``cfg`` was made; the
+    device, data and start are checked as they are set up, before the first step, and the disk's
+    room once the model's size is known, ``_check_room``.)"""
+    check_out(cfg.out, cfg.epochs, cfg.resume, _fingerprint(cfg, rank.world), writes=rank.main)
+    if rank.main:
+        pyplot()
+
+
+def _check_room(cfg: TrainConfig, model: TrainableModel) -> None:
+    """``ValueError`` when ``out``'s disk lacks room for what an epoch writes: the checkpoint and the
+    state (parameters and Adam's two moments), each written beside the one it replaces, and the
+    report (its image grid at most a few MiB)."""
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    check_space(cfg.out, 2 * (size + 3 * size) + 16 * 2**20)
+
+
 def _train(
     cfg: TrainConfig, progress: Callable[..., object] | None, rank: Rank, device: torch.device
 ) -> dict:
     spec = cfg.model_spec()
     fp = _fingerprint(cfg, rank.world)
+    task, corruption = TASKS[cfg.task], cfg.corruption()
+    # the data before the model: a folder without images is reported before any set-up
+    train_files = image_files(cfg.train)
+    train_images = load_images(train_files, cfg.channels)
+    check_patch_size(train_files, train_images, cfg.patch_size)
+    val_set = validation_examples(cfg)
     start = start_tensors(spec, cfg.init, cfg.seed, cfg.warm_start)
     model = TrainableModel(spec, start, device, cfg.backward, cfg.train_only)
     # log-scale factors and one-element gains (a guide network's skip a and mean mixing β) move by
@@ -353,23 +379,18 @@ def _train(
         groups.append({"params": scalars, "scale": 10.0})
     opt = torch.optim.Adam(groups, lr=cfg.lr)
     state_dir, report_dir = cfg.out / STATE_DIR, cfg.out / REPORT_DIR
+    if rank.main:
+        _check_room(cfg, model)
     if cfg.resume:
-        hist = _load_state(state_dir, model, opt, fp)
+        hist = _load_state(state_dir, model, opt)
         model.project_()  # the resumed kernel, not the start, is the last feasible point
-    elif (cfg.out / "config.json").exists():
-        raise ValueError(f"{cfg.out} already holds a checkpoint; choose another version or --resume")
     else:
         hist = History()
 
-    task, corruption = TASKS[cfg.task], cfg.corruption()
-    train_files = image_files(cfg.train)
-    train_images = load_images(train_files, cfg.channels)
-    check_patch_size(train_files, train_images, cfg.patch_size)
     per_step = cfg.batch_size * rank.world
     dataset = PatchDataset(
         train_images, cfg.patch_size, task, corruption, cfg.samples_per_epoch, cfg.seed, per_step
     )
-    val_set = validation_examples(cfg)
     steps_per_epoch = math.ceil(cfg.samples_per_epoch / per_step)
     total = steps_per_epoch * cfg.epochs
     # pilot-only epochs and the rest are two phases, each with its own warm-up and decay: the mean
@@ -389,6 +410,10 @@ def _train(
         hist.epochs.append({"epoch": 0, **metrics})
     elif rank.main:
         _, start_outputs = evaluate(TrainableModel(spec, start, device), val_set, cfg, device)
+    if rank.main:
+        # the checkpoint an epoch writes, made (not written) of the model as it stands: what its
+        # making checks (the spec, the provenance, the tensors) fails now rather than after an epoch
+        checkpoint_files(*_checkpoint(cfg, model, hist.epochs[0], hist.epochs[0], train_files), cfg.out)
 
     last = min(cfg.epochs, cfg.stop_after or cfg.epochs)
     bar = progress(total=(last - hist.epoch) * steps_per_epoch) if progress and rank.main else None
@@ -487,7 +512,7 @@ def _train(
             best = -math.inf if hist.best_epoch is None else hist.epochs[hist.best_epoch][f"val_{score}"]
             if metrics[f"val_{score}"] > best:
                 hist.best_epoch = epoch
-                _write_checkpoint(cfg, model, hist, train_files)
+                save_checkpoint(cfg.out, *_checkpoint(cfg, model, entry, hist.epochs[0], train_files))
             _save_state(state_dir, model, opt, hist, fp)
             write_report(report_dir, cfg, hist, val_set, start_outputs, outputs)
             if bar is not None:
@@ -502,7 +527,7 @@ def _train(
     if rank.world > 1:
         report["max_rank_difference"] = _rank_difference(model)
     if rank.main:
-        (report_dir / "run.json").write_text(json.dumps(report, indent=1) + "\n")
+        write_files(report_dir, {"run.json": (json.dumps(report, indent=1) + "\n").encode()})
     return report
 
 
@@ -575,10 +600,16 @@ def _rank_difference(model: TrainableModel) -> float:
     return max(float((g - gathered[0]).abs().max()) for g in gathered)
 
 
-def _write_checkpoint(cfg: TrainConfig, model: TrainableModel, hist: History, files: list[Path]) -> None:
+def _checkpoint(
+    cfg: TrainConfig,
+    model: TrainableModel,
+    best: dict[str, float],
+    start: dict[str, float],
+    files: list[Path],
+) -> tuple[ModelSpec, dict[str, torch.Tensor], Provenance]:
+    """The spec, tensors and provenance of the checkpoint of ``model`` as it stands, the epoch whose
+    validation is ``best`` (``start``: the start's)."""
     spec, tensors = model.export()
-    best = hist.epochs[-1]
-    start = hist.epochs[0]
     metrics = {k: float(v) for k, v in best.items() if k.startswith("val_") and "@" not in k}
     metrics.update(
         {f"start_{k}": float(v) for k, v in start.items() if k.startswith("val_") and "@" not in k}
@@ -596,4 +627,4 @@ def _write_checkpoint(cfg: TrainConfig, model: TrainableModel, hist: History, fi
     what = (
         f"{spec.description} Fine-tuned by kdeq train ({cfg.init} start{warm}, epoch {int(best['epoch'])})."
     )
-    save_checkpoint(cfg.out, spec.model_copy(update={"description": what}), tensors, provenance)
+    return spec.model_copy(update={"description": what}), tensors, provenance

@@ -37,6 +37,7 @@ from kdeq.checkpoint import (
 )
 from kdeq.guidenet import GuideNet, network_input, to_opponent
 from kdeq.train.data import image_files, load_images, random_patch
+from kdeq.train.preflight import check_writable
 
 #: patches the saliency is measured on, their side and their noise range (0–255)
 PATCHES, PATCH_SIZE, SIGMA_RANGE = 40, 64, (0.0, 55.0)
@@ -179,6 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_writable(Path(args.out))  # before the saliencies, which take a while
         checkpoint = load_checkpoint(args.source)
         files = image_files(args.train)
         grey = load_images(files, 1) if args.channels is not None else []

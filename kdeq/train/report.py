@@ -1,30 +1,34 @@
 """The training report: ``metrics.json``, curves per epoch and a before/after image grid (PNG).
 
-Plots need matplotlib (``pip install 'kdeq[train]'``); it is imported here only.
+Plots need matplotlib (``pip install 'kdeq[train]'``), imported through ``kdeq.train.preflight.pyplot``,
+which the trainer calls before its first step.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import torch
 
+from kdeq.atomic import write_files
 from kdeq.tasks import TASKS, Task
 from kdeq.train.config import TrainConfig
+from kdeq.train.preflight import pyplot
 
 
-def _pyplot():
-    import matplotlib
+def _png(fig) -> bytes:
+    """``fig`` as PNG bytes; the figure is closed."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    pyplot().close(fig)
+    return buffer.getvalue()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    return plt
-
-
-def _curve(path: Path, epochs: list[dict], keys: list[tuple[str, str]], ylabel: str, title: str) -> None:
-    plt = _pyplot()
+def _curve(epochs: list[dict], keys: list[tuple[str, str]], ylabel: str, title: str) -> bytes:
+    """A PNG of ``keys``' values (``(key, label)``) against the epoch."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
     for key, label in keys:
         xs = [e["epoch"] for e in epochs if key in e]
@@ -37,8 +41,7 @@ def _curve(path: Path, epochs: list[dict], keys: list[tuple[str, str]], ylabel: 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return _png(fig)
 
 
 def _show(x: torch.Tensor):
@@ -48,19 +51,18 @@ def _show(x: torch.Tensor):
 
 
 def image_grid(
-    path: Path,
     task: Task,
     examples: list[dict[str, torch.Tensor]],
     before: list[torch.Tensor],
     after: list[torch.Tensor],
     rows: int = 4,
-) -> None:
-    """Rows of (input as ``task`` shows it, start's output, trained output, target) for the first
-    ``rows`` of ``task``'s examples."""
-    plt = _pyplot()
+) -> bytes | None:
+    """A PNG of rows of (input as ``task`` shows it, start's output, trained output, target) for the
+    first ``rows`` of ``task``'s examples; ``None`` without examples."""
+    plt = pyplot()
     n = min(rows, len(examples), len(before), len(after))
     if n == 0:
-        return
+        return None
     fig, axes = plt.subplots(n, 4, figsize=(10, 2.6 * n), dpi=100, squeeze=False)
     for r in range(n):
         ex = examples[r]
@@ -78,8 +80,7 @@ def image_grid(
             if r == 0:
                 ax.set_title(label)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return _png(fig)
 
 
 def write_report(
@@ -91,10 +92,10 @@ def write_report(
     after: list[torch.Tensor],
 ) -> None:
     """``metrics.json`` (settings and every epoch's metrics) and ``loss.png``, ``val_<score>.png`` (the
-    task's score), ``iterations.png``, ``grid.png`` in ``directory``."""
+    task's score), ``iterations.png``, ``grid.png`` in ``directory``, replaced as one set
+    (``kdeq.atomic.write_files``, ``metrics.json`` last)."""
     task = TASKS[cfg.task]
     score, name = task.score_name, task.score_label
-    directory.mkdir(parents=True, exist_ok=True)
     epochs = hist.epochs
     doc = {
         "config": cfg.model_dump(mode="json"),
@@ -102,22 +103,20 @@ def write_report(
         "rollbacks": hist.rollbacks,
         "epochs": epochs,
     }
-    (directory / "metrics.json").write_text(json.dumps(doc, indent=1) + "\n")
-    _curve(
-        directory / "loss.png", epochs, [("train_loss", "train"), ("val_loss", "validation")], "loss", "Loss"
-    )
-    _curve(
-        directory / f"val_{score}.png",
-        epochs,
-        [(f"train_{score}", "train"), (f"val_{score}", "validation")],
-        name,
-        f"{name} per epoch",
-    )
-    _curve(
-        directory / "iterations.png",
-        epochs,
-        [("train_iterations", "train"), ("val_iterations", "validation")],
-        "mean solver iterations",
-        "Forward solver iterations",
-    )
-    image_grid(directory / "grid.png", task, val_set, before, after)
+    files = {
+        "loss.png": _curve(epochs, [("train_loss", "train"), ("val_loss", "validation")], "loss", "Loss"),
+        f"val_{score}.png": _curve(
+            epochs, [(f"train_{score}", "train"), (f"val_{score}", "validation")], name, f"{name} per epoch"
+        ),
+        "iterations.png": _curve(
+            epochs,
+            [("train_iterations", "train"), ("val_iterations", "validation")],
+            "mean solver iterations",
+            "Forward solver iterations",
+        ),
+    }
+    grid = image_grid(task, val_set, before, after)
+    if grid is not None:
+        files["grid.png"] = grid
+    files["metrics.json"] = (json.dumps(doc, indent=1) + "\n").encode()
+    write_files(directory, files)
