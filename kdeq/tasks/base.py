@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from kdeq import threads
 from kdeq.predictor import Prediction, Predictor, SolverOverride, pad_images
 from kdeq.train.objectives import SquaredError, psnr, squared_error
 
@@ -459,7 +460,9 @@ def solve_batch(task: Task, predictor: Predictor, requests: Sequence[Request]) -
     """Solve compatible ``requests`` (equal ``batch_key``) in one ``predict`` call; images of different
     sizes are padded to a common one (``kdeq.predictor.pad_images``) and each output cropped back.
     Each request that asks for it gets its ``uncertainty_map``, computed on its own image (the
-    posterior is not batched across sizes; its probes are one batch of solves already)."""
+    posterior is not batched across sizes; its probes are one batch of solves already). Torch's
+    threads are sized to the free cores first (``kdeq.threads.adapt``)."""
+    threads.adapt()
     uniform = len({r.image.shape for r in requests}) == 1
     images, sizes = pad_images([torch.from_numpy(r.image) for r in requests])
     prediction = task.run(predictor, images, requests, None if uniform else sizes)
