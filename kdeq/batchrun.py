@@ -34,7 +34,7 @@ from kdeq.tasks import InputError, Options, Request, Solved, Task, solve_batch
 
 T = TypeVar("T")
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".bmp")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff")
 
 
 @dataclass(frozen=True)

@@ -224,7 +224,7 @@ def _solve_line(source: Path | None, model: str, result: Solved | Result, timing
         extra += f", std max {float(found.std.max()):.4g} ({how})"
     return (
         f"{f'{source}: ' if source is not None else ''}{model}: iterations {result.iterations}, "
-        f"residual {result.residual:.2e}, converged {result.converged}, lambda {result.lam:.4g}"
+        f"residual {result.residual:.3e}, converged {result.converged}, lambda {result.lam:.4g}"
         f"{extra}, {timing}"
     )
 

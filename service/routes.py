@@ -33,7 +33,7 @@ from pydantic import Field as PydanticField
 from pydantic.fields import FieldInfo
 
 from kdeq import scaledpng
-from kdeq.imageio import to_bytes
+from kdeq.imageio import pixel_limit, to_bytes
 from kdeq.predictor import SolverOverride
 from kdeq.samples import sample_images
 from kdeq.tasks import TASKS, InputError, ResultField, Solved, Task, choice_of
@@ -349,7 +349,7 @@ def add_task_route(router: APIRouter, host: Task) -> None:
         # a model that solves in tiles keeps a tile's memory at any size; the others, the image's
         tiles = slot.tiles and svc.settings.tile_size > 0
         settings = svc.settings
-        limit = settings.max_pixels if tiles else min(settings.max_pixels, settings.max_untiled_pixels)
+        limit = pixel_limit(tiles, settings.max_pixels, settings.max_untiled_pixels)
 
         def make() -> tuple[TaskRequest, DecodedImage]:
             decoded, arrays = _decode_inputs(task, form["image"], uploads, limit)
