@@ -155,7 +155,7 @@ class Governor:
         self._lock = threading.Lock()
         self._cpus = _affinity()
         self._readings: deque[Sample] = deque([sample(self._cpus)], maxlen=4)
-        self._sampler: tuple[int, threading.Thread] | None = None  # (pid, thread)
+        self._sampler: threading.Thread | None = None
         self._pinned: int | None = None
         self._set: int | None = None  # the count this governor last set
         self._decided = -math.inf  # when it last decided (monotonic seconds)
@@ -184,18 +184,24 @@ class Governor:
                 self._readings.append(reading)
 
     def _ensure_sampler(self) -> None:
-        """Start the sampler thread, once per process (a forked child has none of its parent's)."""
-        if self._sampler is None or self._sampler[0] != os.getpid():
+        """Start the sampler thread, once per process; called under the lock."""
+        if self._sampler is None:
             thread = threading.Thread(target=self._sample_every_window, name="kdeq-threads", daemon=True)
             thread.start()
-            self._sampler = (os.getpid(), thread)
+            self._sampler = thread
+
+    def after_fork(self) -> None:
+        """In a forked child: a fresh lock (the parent's may have been held by its sampler) and no
+        sampler (threads do not survive a fork); the next ``adapt`` starts one."""
+        self._lock = threading.Lock()
+        self._sampler = None
 
     def adapt(self) -> int:
         """Set torch's threads for the next piece of work from the free cores measured over the last
         ``WINDOW`` to ``2·WINDOW`` seconds (within ``WINDOW`` of the last decision, it stands) and
         return them."""
-        self._ensure_sampler()
         with self._lock:
+            self._ensure_sampler()
             current = torch.get_num_threads()
             if current != self._set:  # set by someone else: their count is the ceiling
                 self._ceiling, self._set = current, None
@@ -218,5 +224,6 @@ class Governor:
 
 
 governor = Governor()
+os.register_at_fork(after_in_child=governor.after_fork)
 adapt = governor.adapt
 pin = governor.pin

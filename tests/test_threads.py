@@ -208,3 +208,22 @@ def test_every_task_under_a_neighbour_on_every_core_within_3x_its_quiet_time(tmp
     ratios = {t: loaded[t] / quiet[t] for t in quiet}
     shown = {t: f"{quiet[t]:.3f} s -> {loaded[t]:.3f} s ({r:.2f}x)" for t, r in ratios.items()}
     assert all(r <= 3.0 for r in ratios.values()), shown
+
+
+def test_a_forked_child_adapts_with_a_sampler_of_its_own() -> None:
+    """Threads do not survive a fork: the child's first ``adapt`` starts its own sampler, and a lock
+    its parent held does not block it."""
+    threads.adapt()
+    with threads.governor._lock:  # held across the fork, as the parent's sampler might hold it
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if it adapted and sampled on its own thread
+            ok = threads.adapt() >= 1 and threads.governor._sampler.is_alive()
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:  # blocked on the parent's lock
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's adapt did not return in 30 s")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
