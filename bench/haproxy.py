@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS of each replica (default: unset)")
     args = parser.parse_args()
     if args.threads is not None:
-        # start_server passes this process's environment (less KDEQ_*) to the replicas
+        # start_server passes this process's environment (less most KDEQ_*: bench/load.py) to the replicas
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if any(c % 2 for c in args.clients):
         parser.error("--clients: even numbers (the direct runs split them over two replicas)")

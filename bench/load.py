@@ -5,9 +5,9 @@
 
 It starts ``python -m service`` on loopback (CPU, default models; ``--batch``
 sets ``KDEQ_MAX_BATCH_SIZE``, one server per value, else the service's default applies: 1 on a CPU;
-the settings of the arithmetic, ``KDEQ_MALLOC``, ``KDEQ_NETWORK_PRECISION``, ``KDEQ_GUIDED_BACKEND`` and
-``KDEQ_CONV_BACKEND``, pass from this process's environment to the server's, every other ``KDEQ_``
-variable is dropped).
+the settings of the arithmetic, ``KDEQ_MALLOC``, ``KDEQ_NETWORK_PRECISION``, ``KDEQ_GUIDED_BACKEND``,
+``KDEQ_CONV_BACKEND`` and ``KDEQ_THREADS``, pass from this process's environment to the server's,
+every other ``KDEQ_`` variable is dropped).
 For each image size and client count it first measures, in this process, one
 request's work without HTTP — decode the PNG, ``predict`` a batch of one,
 encode the PNG — and the throughput of that loop for ``--seconds``, then
@@ -201,7 +201,13 @@ def start_server(
     model is the one of the in-process measurement beside it."""
     # the settings that choose the arithmetic pass through, so that the server computes as this
     # process's in-process measurement does; every other KDEQ_ variable is dropped
-    shared = {"KDEQ_MALLOC", "KDEQ_NETWORK_PRECISION", "KDEQ_GUIDED_BACKEND", "KDEQ_CONV_BACKEND"}
+    shared = {
+        "KDEQ_MALLOC",
+        "KDEQ_NETWORK_PRECISION",
+        "KDEQ_GUIDED_BACKEND",
+        "KDEQ_CONV_BACKEND",
+        "KDEQ_THREADS",
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("KDEQ_") or k in shared}
     env.update(
         KDEQ_PORT=str(port),
