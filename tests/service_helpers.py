@@ -6,9 +6,11 @@ import contextlib
 import io
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,3 +146,20 @@ def metric(text: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG signature and an IHDR chunk claiming ``width × height`` grey pixels, then one IDAT of 64
+    zero bytes and IEND: a few hundred bytes, whose pixels cannot be decoded (the data is short). A
+    refusal for its pixel count therefore shows that the header was checked before any decoding."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )

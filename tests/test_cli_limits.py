@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import io
 import re
-import struct
 import sys
 import threading
-import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,29 +23,20 @@ from kdeq.imageio import MAX_PIXELS, MAX_UNTILED_PIXELS, PIXEL_LIMITS, pixel_lim
 from kdeq.noise import estimate_sigma
 from service.app import create_app
 from service.settings import Settings, SettingsError
-from tests.service_helpers import MODELS, assert_error, encode, noisy, smooth_image, to_uint8
+from tests.service_helpers import (
+    MODELS,
+    assert_error,
+    encode,
+    noisy,
+    png_header_only,
+    smooth_image,
+    to_uint8,
+)
 
 #: the limits both sides run under here: small, so that "too many pixels" takes a tiny file
 LIMIT, UNTILED, TILE = 8192, 4096, 64
 LIMITS = ["--max-pixels", str(LIMIT), "--max-untiled-pixels", str(UNTILED), "--tile", str(TILE)]
 SIDE = 32
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG signature and an IHDR chunk claiming ``width × height`` grey pixels, then one IDAT of 64
-    zero bytes and IEND: a few hundred bytes, whose pixels cannot be decoded (the data is short). A
-    refusal for its pixel count therefore shows that the header was checked before any decoding."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-        + chunk(b"IEND", b"")
-    )
 
 
 def frames(count: int = 3) -> bytes:

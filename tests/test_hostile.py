@@ -7,9 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
-import struct
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.service_helpers import Server, encode, noisy, run_server, smooth_image, to_uint8
+from tests.service_helpers import Server, encode, noisy, png_header_only, run_server, smooth_image, to_uint8
 
 pytestmark = pytest.mark.slow
 
@@ -37,21 +35,6 @@ class Case:
     error: str | None = None
     content: bytes | None = None
     headers: dict = field(default_factory=dict)
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A valid PNG signature and IHDR claiming ``width × height`` grey pixels, with one tiny IDAT."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
-        + chunk(b"IEND", b"")
-    )
 
 
 def frames(fmt: str, count: int = 3) -> bytes:
