@@ -11,6 +11,7 @@ from kdeq.deq import KGLMDEQ
 from kdeq.families import Gaussian
 from kdeq.linear import Negated, solve_affine
 from kdeq.priors import GaussianPrior
+from kdeq.solvers import linear_cg
 from kdeq.transforms import dct2, dct_symbol, dft_symbol, idct2
 
 F64 = torch.float64
@@ -141,12 +142,18 @@ def test_transform_solve_takes_no_iterations_and_pcg_few() -> None:
     y = torch.rand(1, 1, 64, 64, generator=torch.Generator().manual_seed(0))
     lam = torch.tensor([0.2])
     cfg = SolverConfig(method="cg", tol=1e-4)
+    zeros = gaussian_layer(taps, lam, "zeros")
     with torch.inference_mode():
         direct = gaussian_layer(taps, lam, "symmetric")(y, solver=cfg)
-        pcg = gaussian_layer(taps, lam, "zeros")(y, solver=cfg)
-        plain = gaussian_layer(taps, lam, "zeros")(y, solver=cfg.model_copy(update={"method": "anderson"}))
+        pcg = zeros(y, solver=cfg)
+        plain = zeros(y, solver=cfg.model_copy(update={"method": "anderson"}))
+        # the same system by CG without the preconditioner, from the same start (the observations)
+        _, unpreconditioned, _ = linear_cg(lambda z: z - zeros.w1(z), zeros.w2(y) - y + zeros.w1(y), y, cfg)
     assert direct.stats.iterations.item() == 0 and bool(direct.stats.converged.all())
-    assert bool(pcg.stats.converged.all()) and pcg.stats.iterations.item() <= 10, pcg.stats
+    # "few" against the unpreconditioned count measured beside it, not a fixed count (8 here, 39
+    # without): a count moves by a step or two under another CPU's rounding, a factor 3 does not
+    assert bool(pcg.stats.converged.all()) and bool(unpreconditioned.converged.all())
+    assert pcg.stats.iterations.item() * 3 <= unpreconditioned.iterations.item(), unpreconditioned
     assert pcg.stats.iterations.item() * 3 <= plain.stats.iterations.item(), (pcg.stats, plain.stats)
 
 

@@ -16,6 +16,7 @@ from kdeq.initialize import DEFAULT_SPECS, init_checkpoint
 from kdeq.predictor import SolverOverride, resolve_device
 from kdeq.repository import load_predictor
 from kdeq.segment import otsu_threshold
+from tests.tolerances import gamma
 
 F64 = torch.float64
 EXACT = SolverOverride(tol=1e-6, max_iter=3000)
@@ -167,9 +168,14 @@ def test_the_blur_is_a_dense_sum_of_mirrored_neighbours_either_way(shape) -> Non
         for i in range(2 * r + 1)
         for j in range(2 * r + 1)
     )
-    torch.testing.assert_close(separable_blur(x, taps).double(), dense, rtol=0, atol=1e-6)
+    # entrywise, two float32 passes of 2r + 1 terms each (x and the taps are float32 values, exact in
+    # float64) within γ_{4r+3} of Σ|g_i g_j||x|, not a fixed 1e-6: the taps and x are ≥ 0, so that is dense
+    assert bool((g >= 0).all()) and bool((x >= 0).all())
+    bound = gamma(2 * (2 * r + 1) + 1, torch.float32) * dense
     grouped = kdeq.filters._blur_grouped(kdeq.filters.mirror_pad(x, r), taps)
-    torch.testing.assert_close(grouped.double(), dense, rtol=0, atol=1e-6)
+    for blurred in (separable_blur(x, taps), grouped):
+        error = (blurred.double() - dense).abs()
+        assert bool((error <= bound).all()), float((error / bound).max())
     small = (x[..., :6, :7].double().requires_grad_(), g[1:-1].clone().requires_grad_())
     assert torch.autograd.gradcheck(separable_blur, small)
 

@@ -128,3 +128,35 @@ def assert_within(
     assert error <= bound, (
         f"‖actual − expected‖₂ = {error:.3e} exceeds the bound {bound:.3e} ({error / bound:.3g}×)"
     )
+
+
+def stopped_fixed_point_gap(
+    tol: float, fz_norm: float, atol: float, n: int, evaluation: float, dtype: torch.dtype | np.dtype | type
+) -> float:
+    """A bound on ``‖f(z) − z‖₂`` for one sample's iterate ``z`` that a ``kdeq.solvers`` solve accepted
+    at relative residual ``tol`` (floor ``atol``), with ``f(z)`` evaluated again by the test (other
+    kernels, other summation order) to norm ``fz_norm``.
+
+    The solver accepted once its own ``f̂(z)`` met ``‖f̂(z) − z‖ ≤ tol·max(‖f̂(z)‖, atol·√n)``, up to
+    the rounding of its two norms and the subtraction (relative ``γ_{n+2}`` each, in ``dtype``).
+    ``evaluation`` bounds one evaluation's error ``‖f̂(z) − f(z)‖₂``; the test's and the solver's
+    evaluations then differ by at most ``2·evaluation``, in the residual and in ``‖f(z)‖`` alike.
+    """
+    slack = (1 + gamma(n + 2, dtype)) ** 2
+    floor = atol * n**0.5
+    return slack * tol * max(fz_norm + 2 * evaluation, floor) + 2 * evaluation
+
+
+def column_gap(dense: torch.Tensor, dtype: torch.dtype, terms: int, negative_mass: float = 1.0) -> float:
+    """A bound on ``‖ĉ − c‖₂`` between two ``dtype`` computations (any kernels, orders, blockings) of one
+    column ``c = D e_j`` of a linear map whose dense matrix ``dense`` is given.
+
+    A map composed of stages (``s·A K Aᵀ``: three sums of products, each over at most its input's
+    pixels, or a fast transform of length ``L``, ``4⌈log₂ L⌉`` roundings deep, Higham §24.1) is
+    computed within ``γ_m`` of the magnitudes ``|A||K||Aᵀ||v|``, ``m`` the ``terms`` summed over the
+    stages (Higham §3.5); normwise, within ``γ_m·negative_mass·‖|D|‖₂·‖v‖₂``, where ``negative_mass``
+    bounds ``‖|A||K||Aᵀ|‖₂/‖|D|‖₂`` (1 for non-negative filters; ``‖h‖₁/|Σh|`` per application of a
+    filter ``h`` with negative lobes). Two computations differ by twice that.
+    """
+    d = dense.detach().double()
+    return 2 * gamma(terms, dtype) * negative_mass * float(torch.linalg.matrix_norm(d.abs(), ord=2))
