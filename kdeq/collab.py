@@ -44,6 +44,7 @@ import torch
 from kdeq import native
 from kdeq.adaptive import Sizes, guided_weights, half_offsets
 from kdeq.filters import mirror_pad
+from kdeq.transforms import dct_matrix
 
 #: patches of ``2p + 1`` pixels a side (``p`` the patch radius, by default ``PATCH_RADIUS``), matched
 #: in a window of ``2·R + 1`` (``R`` the search radius, by default ``SEARCH_RADIUS``), reference patches
@@ -78,16 +79,6 @@ def reach(radius: int = SEARCH_RADIUS, patch_radius: int = PATCH_RADIUS) -> int:
     members) and the reference's other members and matching candidates (``R`` further, and their
     pixels ``p``); the second stage reads the first's estimate as far: ``2·(2R + 2p)``."""
     return 2 * (2 * radius + 2 * patch_radius)
-
-
-def dct_matrix(n: int) -> torch.Tensor:
-    """The orthonormal DCT-II ``(n, n)``: row ``k`` is ``c_k·cos(π(2j + 1)k/2n)``, ``c_0 = √(1/n)``,
-    ``c_k = √(2/n)``."""
-    j = torch.arange(n, dtype=torch.float64)
-    k = j[:, None]
-    out = torch.cos(math.pi * (2 * j[None, :] + 1) * k / (2 * n)) * math.sqrt(2 / n)
-    out[0] /= math.sqrt(2)
-    return out
 
 
 def haar_matrix(k: int) -> torch.Tensor:

@@ -59,6 +59,7 @@ from typing import NamedTuple
 import torch
 
 from kdeq.filters import gaussian_taps, separable_blur
+from kdeq.transforms import dct_matrix
 
 MAD_TO_STD = 0.6744897501960817  # Φ⁻¹(3/4): the median of |N(0, 1)|
 #: the side ``p`` of a colour image's patches: ``r = 3p² = 48`` pixel values each
@@ -173,14 +174,6 @@ def jpeg_sigma(image: torch.Tensor) -> torch.Tensor:
     return sigma if image.shape[0] == 1 else sigma / math.hypot(*LUMA)
 
 
-def dct_matrix(n: int = JPEG_BLOCK) -> torch.Tensor:
-    """The orthonormal DCT-II ``(n, n)``: row ``u`` is ``√(2/n)·cos(π(2k+1)u/2n)``, row 0 over ``√2``."""
-    k = torch.arange(n, dtype=torch.float64)
-    basis = torch.cos(math.pi * (2 * k[None, :] + 1) * k[:, None] / (2 * n)) * math.sqrt(2 / n)
-    basis[0] /= math.sqrt(2)
-    return basis.to(torch.float32)
-
-
 def quantised_frequencies(image: torch.Tensor) -> torch.Tensor:
     """Which of the 63 AC frequencies of the 8×8 block DCT of the ``luminance`` of ``image`` ``(c, H, W)``
     (in [0, 1]; the blocks on the grid from the top left) are quantised, ``(63,)`` bool: those for
@@ -205,7 +198,7 @@ def quantised_frequencies(image: torch.Tensor) -> torch.Tensor:
         torch.tensor(LUMA, device=image.device) if c == len(LUMA) else torch.ones(1, device=image.device)
     )
     tiles = 255 * (weights[:, None, None] * tiles).sum(dim=1)
-    basis = dct_matrix().to(image.device)
+    basis = dct_matrix(JPEG_BLOCK).to(image.device, torch.float32)
     coef = (basis @ tiles @ basis.T).reshape(-1, side * side)[:, 1:]
     steps = torch.tensor(list(JPEG_STEPS), dtype=torch.float32, device=image.device)[:, None, None]
     tolerance = torch.clamp(steps / 4, max=JPEG_TOLERANCE)

@@ -30,10 +30,9 @@ from kdeq.families import Bernoulli, Family, Gaussian
 from kdeq.filters import gaussian_taps, separable_blur
 from kdeq.guidenet import segment_mean
 from kdeq.linear import solve_affine
+from kdeq.noise import LUMA
 from kdeq.predictor import Prediction, Predictor, SolverOverride
 from kdeq.solvers import SolverConfig
-
-LUMA = (0.299, 0.587, 0.114)  # ITU-R BT.601
 
 
 def luminance(x: torch.Tensor) -> torch.Tensor:

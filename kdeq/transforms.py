@@ -74,6 +74,16 @@ def _shift_mirror(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([zero, x.narrow(dim, 1, x.shape[dim] - 1).flip(dim)], dim=dim)
 
 
+def dct_matrix(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II ``(n, n)``: row ``k`` is ``c_k·cos(π(2j + 1)k/2n)``, ``c_0 = √(1/n)``,
+    ``c_k = √(2/n)``."""
+    j = torch.arange(n, dtype=torch.float64)
+    k = j[:, None]
+    out = torch.cos(math.pi * (2 * j[None, :] + 1) * k / (2 * n)) * math.sqrt(2 / n)
+    out[0] /= math.sqrt(2)
+    return out
+
+
 def dct2(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal 2-D DCT-II over the last two axes: ``(…, H, W) → (…, H, W)``, from one real 2-D FFT.
 
