@@ -34,12 +34,14 @@ Solvers (registry ``SOLVERS``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+from kdeq import graphs
 
 Map = Callable[[torch.Tensor], torch.Tensor]
 
@@ -203,71 +205,124 @@ class _LookAhead:
         return bool(flag)
 
 
-class _Tracker:
-    """Per-sample bookkeeping shared by the solvers: best iterate, counts, and the exit test."""
+#: a solve's per-sample bookkeeping and its method's own tensors, by name: ``best`` ``(B, ...)`` the
+#: best iterate, ``best_res`` ``(B,)`` its relative residual, ``iterations`` ``(B,)`` int64 the steps
+#: counted, ``active`` ``(B,)`` bool the samples still iterating
+State = dict[str, torch.Tensor]
+#: one step of a method: ``advance(state, step)`` updates ``state`` (rebinding its entries, or writing
+#: them in place) with device work only, no host read, and returns it
+Advance = Callable[[State, int], State]
 
-    def __init__(self, z: torch.Tensor, res: torch.Tensor, config: SolverConfig) -> None:
-        """``z`` ``(B, ...)`` the start, ``res`` ``(B,)`` its relative residual."""
-        self.config = config
-        self.best = z.clone()
-        self.best_res = res.nan_to_num(nan=torch.inf)
-        self.iterations = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
-        self.active = self.best_res > config.tol
-        self.look_ahead = None if z.device.type in SYNC_FREE_DEVICES else _LookAhead(z.device)
-        self.history: list[torch.Tensor] | None = [] if config.history else None
 
-    def update(self, step: int, z: torch.Tensor, res: torch.Tensor) -> bool:
-        """Record iterate ``z`` with its relative residual ``res`` ``(B,)`` for the samples still
-        active; return True to stop (module docstring: at once on the CPU, one step late elsewhere)."""
-        if self.history is not None:  # kept on the device: no host read per step
-            self.history.append(torch.where(self.active, res, torch.nan))
-        res = torch.where(self.active, res, torch.inf)
-        self.iterations += self.active.to(torch.int64)
-        better = res < self.best_res
-        self.best = torch.where(_expand(better, z), z, self.best)
-        self.best_res = torch.where(better, res, self.best_res)
-        self.active = self.active & (self.best_res > self.config.tol) & ~torch.isnan(res)
+def _start(z: torch.Tensor, res: torch.Tensor, config: SolverConfig) -> State:
+    """The bookkeeping of a solve from ``z`` ``(B, ...)`` with relative residual ``res`` ``(B,)``."""
+    best_res = res.nan_to_num(nan=torch.inf)
+    return {
+        "best": z.clone(),
+        "best_res": best_res,
+        "iterations": torch.zeros(z.shape[0], dtype=torch.int64, device=z.device),
+        "active": best_res > config.tol,
+    }
+
+
+def _record(
+    s: State, z: torch.Tensor, res: torch.Tensor, tol: float, history: list[torch.Tensor] | None
+) -> None:
+    """Record iterate ``z`` with its relative residual ``res`` ``(B,)`` for the samples still active: a
+    sample counts the step, keeps ``z`` where it is its best, and stops once its best residual reaches
+    ``tol`` (or ``res`` is NaN)."""
+    if history is not None:  # kept on the device: no host read per step
+        history.append(torch.where(s["active"], res, torch.nan))
+    res = torch.where(s["active"], res, torch.inf)
+    s["iterations"] = s["iterations"] + s["active"].to(torch.int64)
+    better = res < s["best_res"]
+    s["best"] = torch.where(_expand(better, z), z, s["best"])
+    s["best_res"] = torch.where(better, res, s["best_res"])
+    s["active"] = s["active"] & (s["best_res"] > tol) & ~torch.isnan(res)
+
+
+class _Exit:
+    """Whether the batch is done after a step: read at once on the CPU, one step late elsewhere
+    (module docstring)."""
+
+    def __init__(self, device: torch.device, config: SolverConfig) -> None:
+        self.period = config.check_every
+        self.look_ahead = None if device.type in SYNC_FREE_DEVICES else _LookAhead(device)
+
+    def done(self, step: int, active: torch.Tensor) -> bool:
         if self.look_ahead is None:
-            return not bool(self.active.any())
-        period = self.config.check_every
+            return not bool(active.any())
         # this step's work is queued: read the flag posted one step ago, then post this step's
-        done = step % period == 0 and self.look_ahead.read() is False
-        if (step + 1) % period == 0:
-            self.look_ahead.post(self.active.any())
+        done = step % self.period == 0 and self.look_ahead.read() is False
+        if (step + 1) % self.period == 0:
+            self.look_ahead.post(active.any())
         return done
 
-    def restart(self, active: torch.Tensor) -> None:
-        """Resume the samples ``active`` ``(B,)`` (CG's restarts); a flag posted before is stale."""
-        self.active = active
-        if self.look_ahead is not None:
-            self.look_ahead.pending = None
 
-    def result(self) -> tuple[torch.Tensor, SolverStats]:
-        history = None
-        if self.history is not None:
-            empty = self.best_res.new_empty(self.best_res.shape[0], 0)
-            history = torch.stack(self.history, dim=1) if self.history else empty
-        stats = SolverStats(
-            iterations=self.iterations,
-            residual=self.best_res,
-            converged=self.best_res <= self.config.tol,
-            history=history,
-        )
-        return self.best, stats
+def _iterate(
+    advance: Advance,
+    s: State,
+    config: SolverConfig,
+    start: int,
+    phase: Callable[[int], Hashable] | None = None,
+) -> tuple[State, int]:
+    """``s`` after ``advance`` ran steps ``start, start + 1, …`` until the batch is done or step
+    ``max_iter`` ran, and the last step run (``start − 1`` if none). Where ``kdeq.graphs`` replays
+    steps (CUDA), it runs them in captured chunks (``phase(step)``: what of ``step`` a step's work
+    depends on, ``None`` for nothing); elsewhere, and for any steps it leaves, one at a time here."""
+    step = start - 1
+    if config.max_iter < start:
+        return s, step
+    device = s["active"].device
+    if config.history is False and graphs.mode(device) is not None:
+        s, step, finished = graphs.iterate(advance, s, start, config.max_iter, phase or _no_phase)
+        if finished:
+            return s, step
+    done, first = _Exit(device, config), step + 1
+    for step in range(first, config.max_iter + 1):
+        s = advance(s, step)
+        if done.done(step, s["active"]):
+            break
+    return s, step
+
+
+def _no_phase(step: int) -> None:
+    return None
+
+
+def _result(
+    s: State, config: SolverConfig, history: list[torch.Tensor] | None
+) -> tuple[torch.Tensor, SolverStats]:
+    stacked = None
+    if history is not None:
+        empty = s["best_res"].new_empty(s["best_res"].shape[0], 0)
+        stacked = torch.stack(history, dim=1) if history else empty
+    stats = SolverStats(
+        iterations=s["iterations"],
+        residual=s["best_res"],
+        converged=s["best_res"] <= config.tol,
+        history=stacked,
+    )
+    return s["best"], stats
 
 
 def fixed_point(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
     """Damped Picard iteration ``z_{k+1} = (1−β) z_k + β f(z_k)``."""
-    z, fz = z0, f(z0)
-    track = _Tracker(z, _rel_residual(fz, z, config.atol), config)
-    beta = config.damping
-    for step in range(1, config.max_iter + 1):
-        keep = _expand(track.active, z)
-        z = torch.where(keep, (1.0 - beta) * z + beta * fz, z)
+    fz = f(z0)
+    s = _start(z0, _rel_residual(fz, z0, config.atol), config)
+    s["z"], s["fz"] = z0, fz
+    beta, atol, tol = config.damping, config.atol, config.tol
+    history: list[torch.Tensor] | None = [] if config.history else None
+
+    def advance(s: State, step: int) -> State:
+        z = torch.where(_expand(s["active"], s["z"]), (1.0 - beta) * s["z"] + beta * s["fz"], s["z"])
         fz = f(z)
-        if track.update(step, z, _rel_residual(fz, z, config.atol)):
-            break
-    return track.result()
+        _record(s, z, _rel_residual(fz, z, atol), tol, history)
+        s["z"], s["fz"] = z, fz
+        return s
+
+    s, _ = _iterate(advance, s, config, 1)
+    return _result(s, config, history)
 
 
 def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tensor, SolverStats]:
@@ -289,28 +344,33 @@ def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tens
     bsz = z0.shape[0]
     shape = z0.shape
     m = config.memory
-    beta = config.damping
-    xs = torch.zeros(bsz, m, z0[0].numel(), dtype=z0.dtype, device=z0.device)
-    fs = torch.zeros_like(xs)
+    beta, atol, tol, reg = config.damping, config.atol, config.tol, config.regularization
+    sync_free = z0.device.type in SYNC_FREE_DEVICES
+    history: list[torch.Tensor] | None = [] if config.history else None
 
-    z, fz = z0, f(z0)
-    res = _rel_residual(fz, z, config.atol)
-    track = _Tracker(z, res, config)
+    fz = f(z0)
+    res = _rel_residual(fz, z0, atol)
+    s = _start(z0, res, config)
+    s["z"], s["fz"], s["res"] = z0, fz, res
+    s["xs"] = torch.zeros(bsz, m, z0[0].numel(), dtype=z0.dtype, device=z0.device)
+    s["fs"] = torch.zeros_like(s["xs"])
     # a history of one point: the next step is the plain damped one, which is not undone
-    fresh = torch.ones_like(track.active)
-    xs[:, 0], fs[:, 0] = z.reshape(bsz, -1), fz.reshape(bsz, -1)
-    for step in range(1, config.max_iter + 1):
+    s["fresh"] = torch.ones_like(s["active"])
+    s["xs"][:, 0], s["fs"][:, 0] = z0.reshape(bsz, -1), fz.reshape(bsz, -1)
+
+    def advance(s: State, step: int) -> State:
+        xs, fs, z, fz, res = s["xs"], s["fs"], s["z"], s["fz"], s["res"]
         n = min(step, m)
         g = (fs[:, :n] - xs[:, :n]).to(torch.float64)
         gram = g @ g.transpose(1, 2)
         scale = gram.diagonal(dim1=1, dim2=2).mean(dim=1).clamp(min=torch.finfo(torch.float64).tiny)
-        system = torch.zeros(bsz, n + 1, n + 1, dtype=torch.float64, device=z0.device)
+        system = torch.zeros(bsz, n + 1, n + 1, dtype=torch.float64, device=z.device)
         system[:, 0, 1:] = 1.0
         system[:, 1:, 0] = 1.0
-        system[:, 1:, 1:] = gram + (config.regularization * scale)[:, None, None] * torch.eye(
-            n, dtype=torch.float64, device=z0.device
+        system[:, 1:, 1:] = gram + (reg * scale)[:, None, None] * torch.eye(
+            n, dtype=torch.float64, device=z.device
         )
-        rhs = torch.zeros(bsz, n + 1, 1, dtype=torch.float64, device=z0.device)
+        rhs = torch.zeros(bsz, n + 1, 1, dtype=torch.float64, device=z.device)
         rhs[:, 0] = 1.0
         sol, info = torch.linalg.solve_ex(system, rhs)
         alpha = sol[:, 1:, 0]
@@ -318,29 +378,31 @@ def anderson(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[torch.Tens
         plain = torch.zeros_like(alpha)
         plain[:, latest] = 1.0
         bad = (info != 0) | ~torch.isfinite(alpha).all(dim=1)
-        alpha = torch.where(bad[:, None], plain, alpha).to(z0.dtype)
+        alpha = torch.where(bad[:, None], plain, alpha).to(z.dtype)
 
         mixed = beta * torch.einsum("bi,bin->bn", alpha, fs[:, :n])
         if beta < 1.0:
             mixed = mixed + (1.0 - beta) * torch.einsum("bi,bin->bn", alpha, xs[:, :n])
-        keep = _expand(track.active, z)
-        stepped = torch.where(keep, mixed.reshape(shape), z)
+        stepped = torch.where(_expand(s["active"], z), mixed.reshape(shape), z)
         f_stepped = f(stepped)
-        new = _rel_residual(f_stepped, stepped, config.atol)
-        undo = track.active & ~fresh & (new > SAFEGUARD * res)  # NaN compares False: it stops the sample
-        fresh = undo
+        new = _rel_residual(f_stepped, stepped, atol)
+        undo = s["active"] & ~s["fresh"] & (new > SAFEGUARD * res)  # NaN compares False: it stops the sample
         back = _expand(undo, z)
         z, fz = torch.where(back, z, stepped), torch.where(back, fz, f_stepped)
         res = torch.where(undo, res, new)
         slot = step % m
         xs[:, slot], fs[:, slot] = z.reshape(bsz, -1), fz.reshape(bsz, -1)
-        if track.look_ahead is not None or bool(undo.any()):  # the host read is free on the CPU only
+        if not sync_free or bool(undo.any()):  # the host read is free on the CPU only
             restart = undo[:, None, None]
             xs.copy_(torch.where(restart, z.reshape(bsz, 1, -1), xs))
             fs.copy_(torch.where(restart, fz.reshape(bsz, 1, -1), fs))
-        if track.update(step, z, res):
-            break
-    return track.result()
+        _record(s, z, res, tol, history)
+        s["z"], s["fz"], s["res"], s["fresh"] = z, fz, res, undo
+        return s
+
+    # a step's work depends on the history's length and on which of its slots are the latest
+    s, _ = _iterate(advance, s, config, 1, lambda step: (min(step, m), step % m))
+    return _result(s, config, history)
 
 
 def linear_cg(
@@ -382,50 +444,62 @@ def linear_cg(
     Inner products accumulate in float64.
     """
     identity = precondition is None
+    atol, tol = config.atol, config.tol
+    history: list[torch.Tensor] | None = [] if config.history else None
 
     def relative(d: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        return _ratio(r, z0 + d + r, config.atol)
+        return _ratio(r, z0 + d + r, atol)
+
+    def direction(r: torch.Tensor) -> torch.Tensor:
+        return r if identity else precondition(r)
+
+    def advance(s: State, step: int) -> State:
+        p, ry = s["p"], s["ry"]
+        ap = apply_a(p)
+        pap = _bdot(p, ap)
+        ok = s["active"] & (pap > 0) & torch.isfinite(pap)
+        s["active"] = ok
+        a = torch.where(ok, ry / pap.clamp(min=_TINY64), 0.0).to(z0.dtype)
+        d = s["d"] + _expand(a, p) * p
+        r = s["r"] - _expand(a, ap) * ap
+        # a cycle's first step, kept: its residual is the product's own (docstring)
+        s["first_d"] = torch.where(s["fresh"], d, s["first_d"])
+        s["first_r"] = torch.where(s["fresh"], r, s["first_r"])
+        s["fresh"] = torch.zeros_like(s["fresh"])
+        _record(s, d, relative(d, r), tol, history)
+        # the next step's direction, made on every step, the last too (none reads it then), so that
+        # a step is the same work whichever step it is
+        y = direction(r)
+        ry_new = _bdot(r, y)
+        beta = torch.where(ok, ry_new / ry.clamp(min=_TINY64), 0.0).to(z0.dtype)
+        s["d"], s["r"], s["p"], s["ry"] = d, r, y + _expand(beta, p) * p, torch.where(ok, ry_new, ry)
+        return s
 
     d = torch.zeros_like(z0)
-    r = r0
-    track = _Tracker(d, relative(d, r), config)
+    s = _start(d, relative(d, r0), config)
+    s["d"], s["r"], s["first_d"], s["first_r"] = d, r0, d, r0
     step = 0
     while True:
-        y = r if identity else precondition(r)
-        p = y
-        ry = _bdot(r, y)
-        first = None
-        while step < config.max_iter:
-            step += 1
-            ap = apply_a(p)
-            pap = _bdot(p, ap)
-            ok = track.active & (pap > 0) & torch.isfinite(pap)
-            track.active = ok
-            a = torch.where(ok, ry / pap.clamp(min=_TINY64), 0.0).to(z0.dtype)
-            d = d + _expand(a, d) * p
-            r = r - _expand(a, r) * ap
-            first = (d, r) if first is None else first
-            if track.update(step, d, relative(d, r)):
-                break
-            y = r if identity else precondition(r)
-            ry_new = _bdot(r, y)
-            beta = torch.where(ok, ry_new / ry.clamp(min=_TINY64), 0.0).to(z0.dtype)
-            p = y + _expand(beta, p) * p
-            ry = torch.where(ok, ry_new, ry)
-        d = track.best
+        y = direction(s["r"])
+        s["p"], s["ry"] = y, _bdot(s["r"], y)
+        s["fresh"] = torch.ones((), dtype=torch.bool, device=z0.device)
+        cycle = step
+        s, step = _iterate(advance, s, config, step + 1)
+        d = s["best"]
         if residual is not None:
             r = residual(d)
-        elif first is not None and torch.equal(d, first[0]):
-            r = first[1]
+        elif step > cycle and torch.equal(d, s["first_d"]):
+            r = s["first_r"]
         else:
             r = r0 - apply_a(d)
         true_res = relative(d, r).nan_to_num(nan=torch.inf)
-        track.best_res = true_res
-        retry = (true_res > config.tol) & torch.isfinite(true_res) & (track.iterations < config.max_iter)
+        s["best_res"] = true_res
+        retry = (true_res > tol) & torch.isfinite(true_res) & (s["iterations"] < config.max_iter)
         if step >= config.max_iter or not bool(retry.any()):
             break
-        track.restart(retry)
-    d, stats = track.result()
+        # a restart from the best iterate, of the samples that have not truly converged
+        s["active"], s["d"], s["r"] = retry, d, r
+    d, stats = _result(s, config, history)
     return z0 + d, stats, r
 
 
@@ -460,18 +534,25 @@ def forward_backward(f: Map, z0: torch.Tensor, config: SolverConfig) -> tuple[to
     alpha = f.step
     if not 0.0 < alpha < float("inf"):
         raise ValueError(f"forward_backward needs a finite step α > 0, got {alpha}")
-    z = z0
-    p = f.pre(z)
+    atol, tol = config.atol, config.tol
+    history: list[torch.Tensor] | None = [] if config.history else None
+    p = f.pre(z0)
     fz = f.prox(p, 1.0)
-    track = _Tracker(z, _rel_residual(fz, z, config.atol), config)
-    for step in range(1, config.max_iter + 1):
-        keep = _expand(track.active, z)
-        z = torch.where(keep, f.prox((1.0 - alpha) * z + alpha * p, alpha), z)
+    s = _start(z0, _rel_residual(fz, z0, atol), config)
+    s["z"], s["p"] = z0, p
+
+    def advance(s: State, step: int) -> State:
+        z = torch.where(
+            _expand(s["active"], s["z"]), f.prox((1.0 - alpha) * s["z"] + alpha * s["p"], alpha), s["z"]
+        )
         p = f.pre(z)
         fz = f.prox(p, 1.0)
-        if track.update(step, z, _rel_residual(fz, z, config.atol)):
-            break
-    return track.result()
+        _record(s, z, _rel_residual(fz, z, atol), tol, history)
+        s["z"], s["p"] = z, p
+        return s
+
+    s, _ = _iterate(advance, s, config, 1)
+    return _result(s, config, history)
 
 
 Solver = Callable[[Map, torch.Tensor, SolverConfig], tuple[torch.Tensor, SolverStats]]

@@ -337,3 +337,55 @@ def test_the_guide_network_in_bfloat16_on_cuda_moves_the_default_denoiser_by_und
     diff = (out["bfloat16"] - out["float32"]).abs()
     assert 0 < diff.max().item() < 1 / 255
     assert netprecision.choice.pinned() in (None, "float32")  # the suite's pin, restored
+
+
+@pytest.mark.parametrize("method", ["fixed_point", "anderson", "cg"])
+def test_replayed_solves_match_the_eager_ones_and_read_the_host_once_a_chunk(
+    method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kdeq.graphs``: the same fixed point and counts as the eager CUDA loop (``KDEQ_CUDA_GRAPHS=0``),
+    a second solve of the key replays its graphs without capturing again, and a replayed solve
+    synchronises the host once a chunk (its done flag), plus the copies out."""
+    from kdeq import graphs
+
+    cfg = SolverConfig(method=method, tol=1e-5, max_iter=300, damping=0.3 if method == "fixed_point" else 1.0)
+    f, z0 = _affine("cuda", 4)
+    graphs.clear()
+    monkeypatch.setenv(graphs.ENV, "0")
+    z_eager, s_eager = solve(f, z0, cfg)
+    monkeypatch.setenv(graphs.ENV, "1")
+    z_graph, s_graph = solve(f, z0, cfg)  # warm-up and capture
+    assert graphs.cached() == 1
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            z_again, s_again = solve(f, z0, cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert graphs.cached() == 1
+    assert torch.equal(s_eager.iterations, s_graph.iterations)
+    torch.testing.assert_close(z_graph, z_eager, rtol=0, atol=0)
+    torch.testing.assert_close(z_again, z_graph, rtol=0, atol=0)
+    chunks = -(-int(s_again.iterations.max()) // graphs.CHUNK)
+    assert len(syncs) <= chunks + 3, [str(w.message) for w in syncs]
+
+
+def test_the_default_denoiser_replayed_is_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped default denoiser on a 256² image: replayed (second request of the size class)
+    and eager outputs and counts agree exactly."""
+    from kdeq import graphs
+
+    model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cuda:0")
+    images = torch.rand(1, 1, 256, 256, generator=torch.Generator().manual_seed(5))
+    graphs.clear()
+    monkeypatch.setenv(graphs.ENV, "0")
+    eager = model.predict(images, sigma=SIGMA)
+    monkeypatch.setenv(graphs.ENV, "1")
+    model.predict(images, sigma=SIGMA)
+    replayed = model.predict(images, sigma=SIGMA)
+    assert graphs.cached() >= 1
+    assert torch.equal(eager.stats.iterations, replayed.stats.iterations)
+    assert torch.equal(eager.output, replayed.output)

@@ -1,0 +1,177 @@
+"""The chunked solve of ``kdeq.graphs`` run on the CPU (``replaying_on_cpu``): every step as the solver's
+own loop takes it, the chunks run eagerly over the key's static copies. The capture itself needs a
+GPU (``tests/test_cuda.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kdeq import Kernel, SolverConfig, dense_spectral_norm, graphs, grid_coordinates, solve
+from kdeq.checkpoint import load_checkpoint
+from kdeq.denoise import Denoiser
+from kdeq.repository import default_models_dir, find_model
+
+F64 = torch.float64
+#: map evaluations, counted from outside the map's closure (a counter inside it is state the map
+#: keeps, which the chunked path refuses: see the last test)
+EVALUATIONS = {"n": 0}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    graphs.clear()
+    yield
+    graphs.clear()
+
+
+def _kglm(side: int, norm: float, b: torch.Tensor):
+    """``f(z) = (b − z)K`` with a kernel Gram matrix at ``‖K‖ = norm``: the linear Gaussian kGLM-DEQ
+    (``A = I + K`` SPD), a contraction for ``norm < 1``."""
+    gram = Kernel(lengthscale=2.0, radius=5).gram(grid_coordinates(side, side)).to(b.dtype)
+    gram = gram * norm / dense_spectral_norm(gram)
+
+    def f(z: torch.Tensor) -> torch.Tensor:
+        EVALUATIONS["n"] += 1
+        return (b - z) @ gram
+
+    return f
+
+
+def _both(f, z0: torch.Tensor, cfg: SolverConfig):
+    eager = solve(f, z0, cfg)
+    with graphs.replaying_on_cpu():
+        chunked = solve(f, z0, cfg)
+    return eager, chunked
+
+
+def _same(a, b) -> None:
+    (za, sa), (zb, sb) = a, b
+    assert torch.equal(za, zb)
+    assert torch.equal(sa.iterations, sb.iterations)
+    assert torch.equal(sa.residual, sb.residual)
+    assert torch.equal(sa.converged, sb.converged)
+
+
+@pytest.mark.parametrize("method", ["fixed_point", "anderson", "cg"])
+@pytest.mark.parametrize("max_iter", [300, 2 * graphs.CHUNK + 1])
+def test_chunked_steps_are_the_solver_loops_own(method: str, max_iter: int) -> None:
+    """Bit for bit the same iterate, residual and counts as the solver's loop, converged (in a step
+    count no chunk boundary divides) or stopped by a cap that is not a whole number of chunks."""
+    gen = torch.Generator().manual_seed(0)
+    b = torch.rand(3, 100, dtype=F64, generator=gen)
+    f = _kglm(10, 0.8 if method == "fixed_point" else 20.0, b)
+    cfg = SolverConfig(method=method, tol=1e-10, max_iter=max_iter, damping=1.0)
+    eager, chunked = _both(f, torch.zeros(3, 100, dtype=F64), cfg)
+    _same(eager, chunked)
+    iterations = eager[1].iterations
+    if max_iter < 300:
+        assert (iterations == max_iter).all()
+    else:
+        assert eager[1].converged.all() and int(iterations.max()) % graphs.CHUNK != 0
+    assert graphs.cached() == 1
+
+
+@pytest.mark.parametrize("method", ["fixed_point", "anderson"])
+def test_each_sample_stops_counting_the_step_it_converges(method: str) -> None:
+    """A batch whose samples contract at rates up to 0.2 to 0.9 (``f(z) = a·tanh(z) + c``) converges
+    over many chunks: each sample's count is the eager loop's, and the map ran once for the start,
+    once per step of the slowest sample and at most ``CHUNK − 1`` steps past it, the rest of its
+    chunk, counted by no sample."""
+    slopes = torch.tensor([0.2, 0.5, 0.9], dtype=F64)
+    c = torch.linspace(0.01, 0.1, 40, dtype=F64)
+
+    def f(z: torch.Tensor) -> torch.Tensor:
+        EVALUATIONS["n"] += 1
+        return slopes[:, None] * torch.tanh(z) + c
+
+    cfg = SolverConfig(method=method, tol=1e-9, max_iter=500, damping=1.0, memory=2)
+    z0 = torch.zeros(3, 40, dtype=F64)
+    eager = solve(f, z0, cfg)
+    EVALUATIONS["n"] = 0
+    with graphs.replaying_on_cpu():
+        chunked = solve(f, z0, cfg)
+    _same(eager, chunked)
+    counts = chunked[1].iterations
+    assert len(set(counts.tolist())) >= 2, counts  # mixed: stopped in different chunks or steps
+    slowest = int(counts.max())
+    past = EVALUATIONS["n"] - 1 - slowest
+    assert 0 <= past < graphs.CHUNK
+    assert past == -slowest % graphs.CHUNK
+
+
+def test_a_second_solve_of_the_key_reuses_its_copies_and_reads_its_own_tensors() -> None:
+    """Two right-hand sides of one shape share a key: the second solve copies its own ``b`` into the
+    key's buffers (its answer is its eager one, not the first's), and the originals are never written.
+    Another batch size is another key; past ``CACHE_SIZE`` the least recently used is dropped."""
+    gen = torch.Generator().manual_seed(1)
+    cfg = SolverConfig(method="cg", tol=1e-10, max_iter=200)
+    first, second = torch.rand(2, 3, 100, dtype=F64, generator=gen)
+    kept = second.clone()
+    _both(_kglm(10, 20.0, first), torch.zeros(3, 100, dtype=F64), cfg)
+    eager, chunked = _both(_kglm(10, 20.0, second), torch.zeros(3, 100, dtype=F64), cfg)
+    _same(eager, chunked)
+    assert graphs.cached() == 1
+    assert torch.equal(second, kept)
+    _both(_kglm(10, 20.0, second[:2]), torch.zeros(2, 100, dtype=F64), cfg)
+    assert graphs.cached() == 2
+
+
+def test_the_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(graphs, "CACHE_SIZE", 2)
+    cfg = SolverConfig(method="fixed_point", tol=1e-8, max_iter=50, damping=1.0)
+    with graphs.replaying_on_cpu():
+        for batch in (1, 2, 3):
+            solve(_kglm(6, 0.5, torch.ones(batch, 36, dtype=F64)), torch.zeros(batch, 36, dtype=F64), cfg)
+    assert graphs.cached() == 2
+
+
+def test_a_map_that_keeps_state_runs_eagerly_with_the_same_results(caplog: pytest.LogCaptureFixture) -> None:
+    """A map counting its own calls changes what its step reads: a replay would not see the change,
+    so its key is refused after the first chunk's warm-up (logged once) and the rest runs eagerly. The
+    count's value is part of what the step reads: each solve is a key of its own."""
+    b = torch.rand(2, 36, dtype=F64, generator=torch.Generator().manual_seed(2))
+    inner = _kglm(6, 0.6, b)
+    calls = 0
+
+    def counted(z: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return inner(z)
+
+    cfg = SolverConfig(method="fixed_point", tol=1e-12, max_iter=200, damping=1.0)
+    eager = solve(counted, torch.zeros(2, 36, dtype=F64), cfg)
+    with graphs.replaying_on_cpu():
+        chunked = solve(counted, torch.zeros(2, 36, dtype=F64), cfg)
+        again = solve(counted, torch.zeros(2, 36, dtype=F64), cfg)
+    _same(eager, chunked)
+    _same(eager, again)
+    assert graphs.cached() == 0
+    assert sum("eagerly" in r.message for r in caplog.records) == 2
+
+
+def test_the_default_denoisers_solve_chunked_is_its_solve() -> None:
+    """The shipped default denoiser (its guided kernel's CG, rebuilt around copies of the request's
+    weight maps, scale and mean): two images of one size share a key, and each output and its
+    statistics are the eager solve's, bit for bit."""
+    model = Denoiser(load_checkpoint(find_model(default_models_dir(), "denoise-kglm")), "cpu")
+    rng = np.random.default_rng(3)
+    for seed in range(2):
+        images = torch.from_numpy(rng.random((1, 1, 24, 28), dtype=np.float32))
+        eager = model.predict(images, sigma=25.0 + seed)
+        with graphs.replaying_on_cpu():
+            chunked = model.predict(images, sigma=25.0 + seed)
+        assert torch.equal(eager.output, chunked.output)
+        assert torch.equal(eager.stats.iterations, chunked.stats.iterations)
+        assert torch.equal(eager.stats.residual, chunked.stats.residual)
+    assert graphs.cached() == 1
+
+
+def test_graphs_are_for_cuda_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert graphs.mode(torch.device("cpu")) is None
+    assert graphs.mode(torch.device("cuda", 0)) == "graph"
+    monkeypatch.setenv(graphs.ENV, "0")
+    assert graphs.mode(torch.device("cuda", 0)) is None
+    with graphs.replaying_on_cpu():
+        assert graphs.mode(torch.device("cpu")) == "eager"
