@@ -54,6 +54,13 @@ base = ".".join(os.environ.get("CUDA_VERSION", "").split(".")[:2]) or None; \
 sys.exit(None if torch.version.cuda == base else \
   f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but the base image has CUDA {base}: " \
   "set TORCH_INDEX to the PyTorch index of the base image CUDA (its cpu index on a base without CUDA)")'
+# on a CUDA base, the gpu extra (Triton: the guided kernel's fused kernels, kdeq/fused.py), which torch
+# installed without its dependencies does not bring; after the CUDA check, which a mismatch meets first
+RUN if [ -n "${CUDA_VERSION:-}" ]; then \
+      if [ "${OFFLINE}" = 1 ]; then set -- --no-index --find-links /wheels; fi; \
+      python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu']))" > gpu.txt \
+      && /opt/kdeq/bin/pip install --no-cache-dir "$@" -c constraints.txt -r gpu.txt; \
+    fi
 COPY README.md ./
 COPY kdeq/ kdeq/
 COPY service/ service/

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from kdeq import native
+from kdeq import fused, native
 from kdeq.filters import mirror_pad
 from kdeq.kernels import Kernel
 
@@ -131,7 +131,11 @@ def guided_weights(
     src = F.pad(padded, (r, r, r, r))
     hp, wp = padded.shape[-2:]
     inv = (-0.5 / h2.clamp(min=torch.finfo(guide.dtype).tiny)).reshape(bsz, 1, 1, 1)
-    taps = torch.stack([spatial[r + a, r + b] for a, b in chosen])
+    rows, cols, _ = _indices(tuple(chosen), r, spatial.device)
+    taps = spatial[rows, cols]
+    if fused.enabled(native.choice.pinned(), guide, spatial, h2):
+        every = sizes or [(height, width)] * bsz
+        return fused.weights(padded, taps, inv.reshape(-1), chosen, every, 2 * p + 1, _CUTOFF)
     if _gathers(guide):
         return _guided_weights_gathered(padded, src, taps, inv, r, 2 * p + 1, chosen, sizes)
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (guide, spatial, h2)))
@@ -287,6 +291,8 @@ def apply_weights(weights: torch.Tensor, x: torch.Tensor, offsets: Offsets | Non
     """
     height, width = x.shape[-2:]
     chosen = half_offsets(_radius(weights)) if offsets is None else offsets
+    if fused.enabled(native.choice.pinned(), weights, x):
+        return fused.apply(weights, x, chosen)
     if native.enabled(weights, x):
         out = torch.zeros_like(x, memory_format=torch.contiguous_format)
         native.pairs(weights, range(len(chosen)), chosen, [1.0] * len(chosen), 1, x, out)
@@ -314,6 +320,17 @@ GATHER_BYTES = 256 << 20
 #: H100. A large batch's time is the bytes the gathers add: 0.93x at one 1024² image, 0.62x at 32
 #: of 256² (same run)
 GATHER_PIXELS = 1 << 19
+
+
+def _compiled(*tensors: torch.Tensor):
+    """The compiled loops that sum the non-local matches of ``tensors`` (not differentiated): ``kdeq.native``
+    on a CPU where it builds, ``kdeq.fused`` on a GPU (both ``pairs`` and ``patch_pairs``), or ``None``:
+    torch's operations."""
+    if native.enabled(*tensors):
+        return native
+    if fused.enabled(native.choice.pinned(), *tensors):
+        return fused
+    return None
 
 
 def _gathers(x: torch.Tensor) -> bool:
@@ -464,7 +481,11 @@ class GuidedOperator:
         self.degree = both[:, :1]
         tiny = torch.finfo(guide.dtype).tiny
         self.local_mean = None if mean_of is None else both[:, 1:] / self.degree.clamp(min=tiny)
-        self._scale = self.degree.clamp(min=tiny).rsqrt() if normalize else None
+        # 0 on a padded batch's padding (d = 0 there), not tiny^{-1/2}: its square overflowed float64 and
+        # its products with the gradients there did too, NaN through the weights' masks (K̃x is 0 there
+        # either way; inside an image d ≥ k_s(0) and s is as it was)
+        scale = self.degree.clamp(min=tiny).rsqrt()
+        self._scale = torch.where(self.degree > 0, scale, 0.0) if normalize else None
 
     @property
     def parts(self) -> int:
@@ -548,10 +569,11 @@ class GuidedOperator:
         is a match of ``x`` at ``+o`` and of ``x + o`` at ``−o``, so each offset's map adds to both, as
         ``K``'s weights do (``apply_weights``)."""
         best = torch.zeros_like(summed[:, :1], memory_format=torch.contiguous_format)
-        if native.enabled(summed, self._args[0]):
+        loops = _compiled(summed, self._args[0])
+        if loops is not None:
             total = torch.zeros_like(summed, memory_format=torch.contiguous_format)
             for weights, index, offsets, inverse in self._matches():
-                native.pairs(weights, index, offsets, inverse, power, summed, total, best)
+                loops.pairs(weights, index, offsets, inverse, power, summed, total, best)
             return total, best
         r = self._args[1].shape[0] // 2
         height, width = summed.shape[-2:]
@@ -622,10 +644,11 @@ class GuidedOperator:
         # c/Z, not c·s²: s² overflows where Z is subnormal (u_o^κ of weak matches); its box sum over
         # the centres, zero beyond the image (no patch is centred there)
         box = _window_sum(_window_sum(F.pad(centre / norm * inside, (p, p, p, p)), n, -1), n, -2)
-        if native.enabled(both, self._args[0]):
+        loops = _compiled(both, self._args[0])
+        if loops is not None:
             total = (box * both).contiguous()
             for weights, index, offsets, inverse in self._matches():
-                native.patch_pairs(weights, index, offsets, inverse, power, scale, p, both, total)
+                loops.patch_pairs(weights, index, offsets, inverse, power, scale, p, both, total)
             return torch.where(inside > 0, total[:, 1:] / total[:, :1], v)
         here = (..., slice(r, r + height), slice(r, r + width))
         both, scale = F.pad(both, (r, r, r, r)), F.pad(scale, (r, r, r, r))

@@ -10,8 +10,9 @@ machine it runs on (``-march=native``), and kept in ``KDEQ_NATIVE_CACHE`` (defau
 ``~/.cache/kdeq/native``), under a name that hashes the source, the flags, the compiler's version and
 the CPU's model and features, so that another machine, compiler or source builds its own. Without a
 compiler, or if the build fails, kdeq uses its torch loops; the build and the choice are logged
-(logger ``kdeq.native``). ``KDEQ_GUIDED_BACKEND`` picks the implementation: ``native``, ``loop``
-(torch's operations) or ``auto`` (``native`` where it builds).
+(logger ``kdeq.native``). ``KDEQ_GUIDED_BACKEND`` picks the implementation: ``native``, ``triton``
+(``kdeq.fused``'s kernels, for GPUs), ``loop`` (torch's operations) or ``auto`` (``native`` on a CPU
+where it builds, ``triton`` on a CUDA device where Triton imports).
 
 A call splits the rows of its images into bands, one per thread of torch's own OpenMP pool
 (``torch.get_num_threads()``): the library is linked to ``libgomp.so.1``, which the loader finds
@@ -52,9 +53,10 @@ MIN_REFS_PER_THREAD = 256
 
 log = logging.getLogger("kdeq.native")
 
-#: ``native`` or ``loop``: pinned by ``KDEQ_GUIDED_BACKEND``, ``pin`` or ``force``; ``auto`` is
-#: ``native`` wherever the library builds (the loops are never faster: docs/BENCHMARKS.md)
-choice = autotune.Tuner("guided kernel's implementation", ENV, ("native", "loop"), log)
+#: ``native``, ``triton`` or ``loop``: pinned by ``KDEQ_GUIDED_BACKEND``, ``pin`` or ``force``; ``auto`` is
+#: ``native`` on a CPU wherever the library builds (the loops are never faster: docs/BENCHMARKS.md) and
+#: ``triton`` (``kdeq.fused``) on a CUDA device wherever Triton imports
+choice = autotune.Tuner("guided kernel's implementation", ENV, ("native", "triton", "loop"), log)
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -202,7 +204,7 @@ def enabled(*tensors: torch.Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    if choice.pinned() == "loop":
+    if choice.pinned() not in (None, "native"):
         return False
     return library() is not None
 

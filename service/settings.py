@@ -155,13 +155,21 @@ class Settings(BaseModel):
         "first input of each shape class (the warm-up's included) and keeps `bfloat16` where it is 1.2× "
         "faster (CPUs with bf16 dot products), logging the choice; a name pins that one",
     )
-    guided_backend: Literal["auto", "native", "loop"] = Field(
+    guided_backend: Literal["auto", "native", "triton", "loop"] = Field(
         "auto",
-        description="how the guided kernel's offset loops (its weight maps, `K x`, the non-local means) run "
-        "on the CPU (`kdeq.native`): `auto` compiles `kdeq/native.c` at the first solve (the warm-up's) "
+        description="how the guided kernel's offset loops (its weight maps, `K x`, the non-local means) run: "
+        "on a CPU `auto` compiles `kdeq/native.c` at the first solve (the warm-up's) "
         "with the C compiler `CC` (default `cc`) for this CPU, keeps it in `KDEQ_NATIVE_CACHE` (default "
         "`~/.cache/kdeq/native`, else a private folder of the temporary directory) and uses it, or "
-        "torch's loops where it does not build, logging which; `native` or `loop` pins one",
+        "torch's loops where it does not build, logging which; on a CUDA device `auto` runs Triton's fused "
+        "kernels (`kdeq.fused`, the `gpu` extra), or torch's loops without Triton; `native`, `triton` or "
+        "`loop` pins one",
+    )
+
+    cuda_graphs: bool = Field(
+        True,
+        description="on a CUDA device, run each solve's steps as CUDA graph replays, a chunk of steps a "
+        "launch, captured once per model, batch and size class (`kdeq.graphs`); off: one step at a time",
     )
 
     native_cache: Path | None = Field(

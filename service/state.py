@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Literal
 
-from kdeq import backends, heap, native, netprecision, threads
+from kdeq import backends, graphs, heap, native, netprecision, threads
 from kdeq.tasks import TASKS, Solved
 from kdeq.tiling import solve_requests
 from service.devices import choose_devices, classify, release_memory, select_device
@@ -48,6 +48,7 @@ class Service:
         netprecision.choice.pin(settings.network_precision)
         native.choice.pin(settings.guided_backend)
         native.pin_cache(settings.native_cache)
+        graphs.pin(settings.cuda_graphs)
         threads.pin(settings.threads)
         choice = choose_devices(settings.device)
         log.log(choice.level, "serving on %s: %s", ",".join(choice.devices), choice.reason)

@@ -389,3 +389,61 @@ def test_the_default_denoiser_replayed_is_the_eager_one(monkeypatch: pytest.Monk
     assert graphs.cached() >= 1
     assert torch.equal(eager.stats.iterations, replayed.stats.iterations)
     assert torch.equal(eager.output, replayed.output)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_kernels_equal_torchs_loops_on_cuda(dtype) -> None:
+    """``kdeq.fused`` compiled for the GPU (``auto``'s choice there) against torch's loops on the same
+    device: the weight maps, ``K x``, ``K̃ x``, the degree and both non-local means at κ = 1 and 3, on
+    a padded colour batch whose images cross the kernels' tile edges; float64 to 1e-12 relative,
+    float32 to 1e-6 (issue 55's bar) with a floor of float32's rounding of the outputs' scale."""
+    pytest.importorskip("triton")
+    from kdeq import fused, native
+    from kdeq.adaptive import apply_weights, guided_weights
+
+    gen = torch.Generator().manual_seed(12)
+    guide = torch.rand(2, 3, 45, 70, generator=gen, dtype=dtype).cuda()
+    x = torch.randn(2, 2, 45, 70, generator=gen, dtype=dtype).cuda()
+    v = torch.rand(2, 3, 45, 70, generator=gen, dtype=dtype).cuda()
+    h2 = torch.tensor([0.1, 0.4], dtype=dtype).cuda()
+    spatial = Kernel(profile="matern32", lengthscale=2.0, radius=5).filter(dtype).cuda()
+    sizes = [(45, 70), (33, 41)]
+    assert fused.enabled(native.choice.pinned(), guide, spatial, h2)
+
+    def run() -> list[torch.Tensor]:
+        op = GuidedOperator(guide, spatial, 2, h2, True, sizes=sizes)
+        weights = guided_weights(guide, spatial, 2, h2, sizes=sizes)
+        means = [t for k in (1, 3) for by in (False, True) for t in op.nonlocal_mean(v, k, patches=by)]
+        return [weights, apply_weights(weights, x), op(x), op.degree, *means]
+
+    with torch.no_grad():
+        with native.choice.force("loop"):
+            loop = run()
+        with native.choice.force("triton"):
+            fast = run()
+    rtol = 1e-12 if dtype == torch.float64 else 1e-6
+    for k, (a, b) in enumerate(zip(loop, fast, strict=True)):
+        floor = 4 * torch.finfo(dtype).eps * float(a.abs().max())
+        assert float((b - a).abs().max()) <= rtol * float(a.abs().max()) + floor, k
+
+
+def test_fused_kernels_gradients_on_cuda() -> None:
+    """The fused weights' and ``K x``'s backward kernels, compiled, by finite differences (float64)."""
+    pytest.importorskip("triton")
+    from kdeq import fused
+    from kdeq.adaptive import half_offsets
+
+    gen = torch.Generator().manual_seed(13)
+    offsets = half_offsets(2)
+    padded = torch.rand(2, 2, 13, 40, generator=gen, dtype=torch.float64).cuda().requires_grad_()
+    taps = torch.rand(len(offsets), generator=gen, dtype=torch.float64).cuda().requires_grad_()
+    inv = torch.tensor([-1.5, -0.7], dtype=torch.float64).cuda().requires_grad_()
+    sizes = [(11, 38), (7, 20)]
+
+    def weights(p, t, i):
+        return fused.weights(p, t, i, offsets, sizes, 3, -60.0)
+
+    assert torch.autograd.gradcheck(weights, (padded, taps, inv), fast_mode=True)
+    w = weights(padded, taps, inv).detach().requires_grad_()
+    x = torch.randn(2, 3, 11, 38, dtype=torch.float64).cuda().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: fused.apply(a, b, offsets), (w, x), fast_mode=True)

@@ -49,7 +49,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from kdeq import backends, native, netprecision
+from kdeq import backends, fused, native, netprecision
 from kdeq.atomic import write_files
 from kdeq.checkpoint import ModelSpec, Provenance, checkpoint_files, save_checkpoint
 from kdeq.precision import ieee_float32
@@ -288,15 +288,17 @@ TRAINING_BACKEND = "prepadded"
 
 
 @contextmanager
-def reproducible_arithmetic() -> Iterator[None]:
+def reproducible_arithmetic(device: torch.device | None = None) -> Iterator[None]:
     """The arithmetic every rank, a resumed run and ``bench/validate.py`` must repeat, within: no
     per-process timing of the convolution backends (``TRAINING_BACKEND``), the networks in float32 on
     any machine (a validation chooses the checkpoint), and the guided kernel's loops by torch whether
-    or not a machine compiles its own."""
+    or not a machine compiles its own on a CPU; on a CUDA ``device`` by Triton's fused kernels where
+    it imports (``kdeq.fused``: deterministic sums, no atomics), torch's otherwise."""
+    guided = "triton" if device is not None and device.type == "cuda" and fused.available() else "loop"
     with (
         backends.reproducible(TRAINING_BACKEND),
         netprecision.choice.reproducible("float32"),
-        native.choice.reproducible("loop"),
+        native.choice.reproducible(guided),
     ):
         yield
 
@@ -326,7 +328,7 @@ def train(cfg: TrainConfig, progress: Callable[..., object] | None = None) -> di
             device_id=device if device.type == "cuda" else None,
         )
     try:
-        with reproducible_arithmetic():
+        with reproducible_arithmetic(device):
             return _train(cfg, progress, rank, device)
     finally:
         if owned:
