@@ -23,7 +23,8 @@ Triton is an optional dependency (the ``gpu`` extra; torch's CUDA wheels carry i
 Triton's interpreter (``TRITON_INTERPRET=1``, read when the kernels are first compiled), which is how
 the test suite checks them on machines without a GPU. Kernels are compiled on first use, not at import,
 and call only ``triton.language``'s builtins: its jitted helpers (``tl.zeros``) are wrapped when Triton
-is imported, and run in the interpreter only where ``TRITON_INTERPRET`` was set before that.
+is imported, so that they would not run interpreted where ``TRITON_INTERPRET`` is set later, as the
+tests set it.
 """
 
 from __future__ import annotations

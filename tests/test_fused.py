@@ -156,8 +156,8 @@ def test_gradcheck_of_the_weight_maps() -> None:
 
 def test_training_gradients_are_torchs() -> None:
     """A loss through the whole normalised operator ``K̃ x`` (weights from the guide, the degree, both
-    applications) on a padded batch: its gradients w.r.t. the guide, the taps, ``h²`` and ``x`` by the kernels' backward
-    equal autograd's through torch's loops (float64; the two differ by roundings, ~1e-12 relative)."""
+    applications) on a padded batch: its gradients w.r.t. the guide, the taps, ``h²`` and ``x`` by the
+    kernels' backward equal autograd's through torch's loops (float64; they differ by roundings)."""
     gen = torch.Generator().manual_seed(8)
     guide0 = torch.rand(2, 1, 9, 10, generator=gen, dtype=F64)
     x0 = torch.randn(2, 1, 9, 10, generator=gen, dtype=F64)
