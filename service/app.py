@@ -2,6 +2,15 @@
 
 The lifespan starts the background model load (``Service.start``) and, at
 shutdown, finishes the queued requests before the workers end.
+
+The PNG codec — decoding an upload and preparing the task's request, encoding the
+result — runs on worker threads, never on the event loop, at most one per core
+the process has (``kdeq.threads.available_cores``: its CPU affinity and cgroup
+quota) at once: ``app.state.codec``, a capacity limiter on anyio's threads. It is
+CPU work that mostly releases the GIL (zlib, Pillow's decoder, numpy), so more
+threads than cores would only share them, holding more decoded images in memory
+and lengthening every request's codec time alike, while starlette's default
+limit (40 threads) admits 32 clients' codecs at once.
 """
 
 from __future__ import annotations
@@ -10,9 +19,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from anyio import CapacityLimiter
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
+from kdeq.threads import available_cores
 from service import __version__
 from service.apidocs import install_api_docs
 from service.errors import install_error_handlers
@@ -46,6 +57,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     app.state.service = service
+    app.state.codec = CapacityLimiter(available_cores())
     install_error_handlers(app)
     install_api_docs(app)
     app.include_router(router)

@@ -2,10 +2,11 @@
 ``kdeq.tasks.TASKS``) and operations (``/tasks``, ``/models``, ``/models/{name}`` with its ``load``,
 ``unload`` and ``ready``, ``/healthz``, ``/readyz``, ``/metrics``).
 
-An inference request is decoded (``service.decode``, in a worker thread), made
-into the task's ``Request`` (``Task.prepare``), queued and solved
-(``service.engine`` → ``kdeq.tasks.solve_batch``) and encoded (``service.encode``,
-in a worker thread).
+An inference request is decoded (``service.decode``) and made into the task's
+``Request`` (``Task.prepare``) on the codec pool, queued and solved
+(``service.engine`` → ``kdeq.tasks.solve_batch``) and encoded (``service.encode``)
+on the codec pool again: worker threads, at most ``app.state.codec``'s tokens of
+them at once (``service.app``), never the event loop's.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Annotated, Literal, get_args, get_origin
+from typing import Annotated, Literal, TypeVar, get_args, get_origin
 
 import numpy as np
+from anyio import to_thread
 from fastapi import APIRouter, Depends, File, Form, Request, Security, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -122,6 +124,15 @@ class Result(BaseModel):
 
 def _service(request: Request) -> Service:
     return request.app.state.service
+
+
+T = TypeVar("T")
+
+
+async def _on_codec_pool(request: Request, work: Callable[..., T], *args: object) -> T:
+    """``work(*args)`` on a worker thread once one of the codec pool's tokens is free
+    (``app.state.codec``, ``service.app``), the event loop serving other requests meanwhile."""
+    return await to_thread.run_sync(work, *args, limiter=request.app.state.codec)
 
 
 def only_fields(*names: str) -> Callable:
@@ -369,7 +380,7 @@ def add_task_route(router: APIRouter, host: Task) -> None:
             return job_input, decoded
 
         try:
-            job_input, decoded = await run_in_threadpool(make)
+            job_input, decoded = await _on_codec_pool(request, make)
         except ApiError as err:
             if err.error == "too_many_pixels":
                 svc.metrics.rejected.labels("too_many_pixels").inc()
@@ -398,8 +409,8 @@ def add_task_route(router: APIRouter, host: Task) -> None:
         done_at = time.monotonic()
         mode = "L" if task.grey_output else decoded.mode
         alpha = task.output_alpha(job_input, decoded.alpha, list(uploads))
-        png = await run_in_threadpool(encode_png, solved.output, mode, alpha)
-        std = None if solved.uncertainty is None else await run_in_threadpool(_uncertainty, solved)
+        png = await _on_codec_pool(request, encode_png, solved.output, mode, alpha)
+        std = None if solved.uncertainty is None else await _on_codec_pool(request, _uncertainty, solved)
         end = time.monotonic()
         timings = Timings(
             decode_seconds=decoded_at - start,
