@@ -74,7 +74,9 @@ function of ``y`` alone, so the kernel it guides stays PSD and the mean it gives
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Literal
 
@@ -316,14 +318,22 @@ def opponent(c: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (t / t.norm(dim=1, keepdim=True)).to(dtype)
 
 
+@functools.lru_cache(maxsize=64)
+def _opponent_on(c: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``opponent(c, dtype)`` on ``device``, made once: on a GPU each new one is a copy from host memory.
+    Made outside inference mode, so that a training step may use it too; never written."""
+    with torch.inference_mode(False):
+        return opponent(c, dtype).to(device)
+
+
 def to_opponent(x: torch.Tensor) -> torch.Tensor:
     """``Q x`` at each pixel: ``x`` ``(B, c, H, W)`` in the opponent basis ``Q`` of its channels."""
-    return torch.einsum("dc,bchw->bdhw", opponent(x.shape[1], x.dtype).to(x.device), x)
+    return torch.einsum("dc,bchw->bdhw", _opponent_on(x.shape[1], x.dtype, x.device), x)
 
 
 def from_opponent(u: torch.Tensor) -> torch.Tensor:
     """``Qᵀ u`` at each pixel, ``to_opponent``'s inverse (``Q`` is orthonormal): ``(B, c, H, W)``."""
-    return torch.einsum("dc,bdhw->bchw", opponent(u.shape[1], u.dtype).to(u.device), u)
+    return torch.einsum("dc,bdhw->bchw", _opponent_on(u.shape[1], u.dtype, u.device), u)
 
 
 #: the eight symmetries ``g`` of the square as (quarter turns, mirrored first), in the order
@@ -432,11 +442,40 @@ def _layers(
     out_dtype = h.dtype
     h = h.to(dtype).contiguous(memory_format=last)
     for i in range(depth):
-        weight = tensors[f"{prefix}_{i}_weight"].to(dtype).contiguous(memory_format=last)
-        h = F.conv2d(h, weight, tensors[f"{prefix}_{i}_bias"].to(dtype), padding=1)
+        weight = _converted(tensors[f"{prefix}_{i}_weight"], dtype, last)
+        h = F.conv2d(h, weight, _converted(tensors[f"{prefix}_{i}_bias"], dtype), padding=1)
         if i < depth - 1:
             h = F.relu_(h)
     return F.pixel_shuffle(h.to(out_dtype).contiguous(), 2)[..., : size[0], : size[1]]
+
+
+#: per parameter, by ``id``: the parameter (weakly), and its conversions ``(dtype, memory format) →
+#: (its version then, the converted tensor)``; an entry leaves with its parameter
+_conversions: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _converted(
+    t: torch.Tensor, dtype: torch.dtype, layout: torch.memory_format = torch.contiguous_format
+) -> torch.Tensor:
+    """``t.to(dtype).contiguous(memory_format=layout)``, kept while ``t`` is not written: a network's
+    parameters are converted once rather than at each call (on a GPU a copy kernel each). Not kept
+    where autograd records the conversion (training), nor for an inference tensor (it keeps no count of
+    its writes)."""
+    if (torch.is_grad_enabled() and t.requires_grad) or t.is_inference():
+        return t.to(dtype).contiguous(memory_format=layout)
+    entry = _conversions.get(id(t))
+    if entry is None or entry[0]() is not t:
+        entry = (weakref.ref(t), {})
+        _conversions[id(t)] = entry
+        weakref.finalize(t, _conversions.pop, id(t), None)
+    version, out = entry[1].get((dtype, layout), (None, None))
+    if version != t._version:
+        with torch.inference_mode(False):  # usable outside inference mode too
+            out = t.to(dtype).contiguous(memory_format=layout)
+        if out is t:  # nothing to convert
+            return t
+        entry[1][(dtype, layout)] = (t._version, out)
+    return out
 
 
 def _per_opponent_channel(
@@ -459,7 +498,7 @@ def _per_opponent_level(level: torch.Tensor | None, y: torch.Tensor) -> torch.Te
     sample-major, ``(B·c, 1, 1, 1)``; ``None`` stays ``None``."""
     if level is None:
         return None
-    return (level.to(y.dtype) @ opponent(y.shape[1], y.dtype).to(y.device).T).reshape(-1, 1, 1, 1)
+    return (level.to(y.dtype) @ _opponent_on(y.shape[1], y.dtype, y.device).T).reshape(-1, 1, 1, 1)
 
 
 def network_input(u: torch.Tensor, sigma: torch.Tensor, level: torch.Tensor | None = None) -> torch.Tensor:
@@ -520,7 +559,7 @@ def _colour_pilot(
     """``pilot`` for colour ``y`` and ``b`` ``(B, 3, H, W)`` through the joint colour network: in the
     opponent basis ``Q``, ``p = b + a_c·(y − b) + N_θ^c`` of the three channels less their means
     (``level`` ``(B, 3)`` when given), unshuffled together beside the ``σ`` map; mapped back by ``Qᵀ``."""
-    q = opponent(3, y.dtype).to(y.device)
+    q = _opponent_on(3, y.dtype, y.device)
     u, ub = to_opponent(y), to_opponent(base)
     centre = u.mean(dim=(2, 3), keepdim=True) if level is None else (level.to(y.dtype) @ q.T)[..., None, None]
 
