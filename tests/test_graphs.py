@@ -169,9 +169,17 @@ def test_the_default_denoisers_solve_chunked_is_its_solve() -> None:
 
 
 def test_graphs_are_for_cuda_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA by default; ``KDEQ_CUDA_GRAPHS`` off in any of the service's spellings of false, and
+    ``pin`` (the service's setting) over the variable."""
+    monkeypatch.setattr(graphs, "_pinned", None)  # a service made earlier in this process pinned it
     assert graphs.mode(torch.device("cpu")) is None
     assert graphs.mode(torch.device("cuda", 0)) == "graph"
-    monkeypatch.setenv(graphs.ENV, "0")
+    for off in ("0", "false", "No", "off"):
+        monkeypatch.setenv(graphs.ENV, off)
+        assert graphs.mode(torch.device("cuda", 0)) is None
+    graphs.pin(True)
+    assert graphs.mode(torch.device("cuda", 0)) == "graph"
+    graphs.pin(None)
     assert graphs.mode(torch.device("cuda", 0)) is None
     with graphs.replaying_on_cpu():
         assert graphs.mode(torch.device("cpu")) == "eager"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kdeq import native
+from kdeq import graphs, native
 from kdeq.adaptive import GuidedOperator, apply_weights, guided_weights
 from kdeq.kernels import Kernel
 from tests.helpers import require_native
@@ -171,7 +171,8 @@ def test_the_environment_variable_pins_the_implementation(built, monkeypatch) ->
 
 
 def test_the_service_pins_its_settings(tmp_path, monkeypatch) -> None:
-    """``KDEQ_GUIDED_BACKEND`` and ``KDEQ_NATIVE_CACHE``, the latter over the variable itself."""
+    """``KDEQ_GUIDED_BACKEND``, ``KDEQ_NATIVE_CACHE`` and ``KDEQ_CUDA_GRAPHS``, the last two over the
+    variables themselves."""
     from service.settings import Settings
     from service.state import Service
 
@@ -182,9 +183,14 @@ def test_the_service_pins_its_settings(tmp_path, monkeypatch) -> None:
         assert native._cache_dir() == tmp_path / "elsewhere"
         Service(Settings(models_dir=tmp_path, device=("cpu",), native_cache=tmp_path / "cache", warmup=False))
         assert native.choice.pinned() is None and native._cache_dir() == tmp_path / "cache"
+        # and KDEQ_CUDA_GRAPHS, over the variable
+        monkeypatch.setenv(graphs.ENV, "1")
+        Service(Settings(models_dir=tmp_path, device=("cpu",), cuda_graphs=False, warmup=False))
+        assert not graphs.replays()
     finally:
         native.choice.pin("auto")
         native.pin_cache(None)
+        graphs.pin(None)
 
 
 @pytest.fixture
