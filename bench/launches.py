@@ -294,6 +294,21 @@ def emulated_cuda(rec: _Recorder, replay: bool = True) -> Iterator[None]:
         fused._kernels, fused.enabled, native.enabled, graphs._chunk, graphs._warm_up = saved
 
 
+@contextlib.contextmanager
+def emulated_before() -> Iterator[None]:
+    """Within it the CPU runs the guided kernel as a CUDA device ran it before ``kdeq.fused``: torch's
+    loops, made and applied by gathers where a GPU gathers (``adaptive.GATHER_PIXELS``), the solver's
+    steps one at a time; every operation counts (the baseline of ``--compare``)."""
+    saved = (fused.enabled, native.enabled, adaptive._gathers)
+    fused.enabled = lambda pinned, *tensors: False
+    native.enabled = lambda *tensors: False
+    adaptive._gathers = lambda x: x.shape[0] * x.shape[-2] * x.shape[-1] <= adaptive.GATHER_PIXELS
+    try:
+        yield
+    finally:
+        fused.enabled, native.enabled, adaptive._gathers = saved
+
+
 class _Grid:
     """``kernel[grid](...)``: the grid is the Triton launch's, of no use here."""
 
@@ -340,12 +355,13 @@ def _tally(events, count: Count) -> None:
 _lock = threading.Lock()
 
 
-def count(predictor, args: tuple, kwargs: dict, replay: bool = True) -> Count:
+def count(predictor, args: tuple, kwargs: dict, replay: bool = True, before: bool = False) -> Count:
     """One ``predict(*args, **kwargs)`` of ``predictor`` (on the CPU) counted as a CUDA device would
     launch it, after one uncounted warm-up call; ``replay=False``: the solver's steps eager
-    (``KDEQ_CUDA_GRAPHS=0``)."""
+    (``KDEQ_CUDA_GRAPHS=0``); ``before``: as a CUDA device ran it before the fused kernels and the
+    replayed steps (``emulated_before``)."""
     rec = _Recorder()
-    with _lock, emulated_cuda(rec, replay):
+    with _lock, emulated_before() if before else emulated_cuda(rec, replay):
         predictor.predict(*args, **kwargs)
         rec.on = True
         with profile(activities=[ProfilerActivity.CPU]) as prof, _Tagged():
@@ -412,6 +428,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sigma", type=float, default=25.0)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--no-graphs", action="store_true", help="the solver's steps eager")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also count the same predict as a GPU ran it before the fused kernels (torch's loops by "
+        "gathers, steps eager), and print the ratio",
+    )
     opts = parser.parse_args(argv)
     folder = model_folder(opts.model)
     predictor = load_predictor(folder, "cpu")
@@ -422,6 +444,12 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {platform.machine()}, emulating a CUDA device on the CPU"
     )
     print(report(c, opts.top))
+    if opts.compare:
+        b = count(predictor, args, kwargs, before=True)
+        print(
+            f"before the fused kernels (torch's loops by gathers, steps eager): {b.total} launches, "
+            f"solver iterations {b.iterations}; now {c.total}: {b.total / c.total:.1f}x fewer"
+        )
 
 
 if __name__ == "__main__":

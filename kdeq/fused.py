@@ -7,8 +7,8 @@ one launch per batch whatever the number of offsets ``L``: a program owns a tile
 loops over the offsets, reading its inputs from cache, so that nothing is written but the output and
 no two programs write one pixel (no atomics: the sums are deterministic).
 
-- ``weights``: ``w_j(x) = k_j·e^{max(inv·D_j(x), cutoff)}`` (0 where the exponential is at most
-  ``e^cutoff`` or ``x``, ``x + o_j`` are not both in the image), ``D_j`` the patch distance.
+- ``weights``: ``w_j(x) = k_j·e^{inv·D_j(x)}`` (0 where the exponent is at most ``cutoff`` or ``x``,
+  ``x + o_j`` are not both in the image), ``D_j`` the patch distance.
 - ``apply``: ``K x = Σ_j w_j ⊙ S_{o_j} x + Σ_{o_j ≠ 0} S_{−o_j}(w_j ⊙ x)``.
 - ``pairs`` / ``patch_pairs``: the non-local means' sums (``GuidedOperator.nonlocal_mean``), the same
   signatures as ``kdeq.native``'s.
@@ -32,13 +32,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 try:  # the gpu extra; kdeq runs without it
     import triton
@@ -98,7 +98,7 @@ def enabled(pinned: str | None, *tensors: torch.Tensor) -> bool:
 
 def _weights_kernel(
     P, SIZES, INV, TAPS, OA, OB, OUT,
-    C, H, W, HP, WP, L, cutoff, floor,
+    C, H, W, HP, WP, L, cutoff,
     N: tl.constexpr, DIST: tl.constexpr, BH: tl.constexpr, BW: tl.constexpr,
 ):  # fmt: skip
     # program (b·L + j, row tile, column tile): w_j or, with DIST, D_j (−1 outside the image)
@@ -131,8 +131,11 @@ def _weights_kernel(
     if DIST:
         tl.store(target, tl.where(inside, total, -1.0), mask=valid)
     else:
-        e = tl.exp(tl.maximum(total * tl.load(INV + b), cutoff))
-        tl.store(target, tl.where(inside & (e > floor), e * tl.load(TAPS + j), 0.0), mask=valid)
+        # the cut on the exponent, not on the exponential: compiled, tl.exp of float32 is the hardware's
+        # approximate one, whose e^cutoff may land either side of the cut
+        s = total * tl.load(INV + b)
+        keep = inside & (s > cutoff)
+        tl.store(target, tl.where(keep, tl.exp(s) * tl.load(TAPS + j), 0.0), mask=valid)
 
 
 def _pairs_kernel(
@@ -287,14 +290,16 @@ def _grid(count: int, height: int, width: int) -> tuple[int, int, int]:
     return (count, triton.cdiv(height, BLOCK_H), triton.cdiv(width, BLOCK_W))
 
 
-@functools.lru_cache(maxsize=256)
+# Unbounded: a CUDA graph replaying ``apply`` reads these tensors by address without holding them, so
+# they must live as long as the process (a few per model: its offsets, their indices and unit scales)
+@functools.cache
 def _ints(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """``values`` as an int32 tensor on ``device``, made once (a copy from host memory waits)."""
     with torch.inference_mode(False):
         return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache
 def _reals(values: tuple[float, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     with torch.inference_mode(False):
         return torch.tensor(values, dtype=dtype, device=device)
@@ -338,7 +343,7 @@ def _weight_maps(
     with _launch(padded.device):
         _kernels().weights[_grid(bsz * count, height, width)](
             padded, sizes, inv, taps, oa, ob, out,
-            channels, height, width, hp, wp, count, cutoff, math.exp(cutoff),
+            channels, height, width, hp, wp, count, cutoff,
             N=n, DIST=dist, BH=BLOCK_H, BW=BLOCK_W,
         )  # fmt: skip
     return out
@@ -355,6 +360,7 @@ class _Weights(torch.autograd.Function):
         return _weight_maps(padded, taps, inv, sizes, oa, ob, n, cutoff, dist=False)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         # w_j = k_j·E_j where kept, E_j = e^{inv·D_j}: ∂w/∂k_j = E_j and ∂w/∂(inv·D_j) = w_j
         padded, taps, inv, sizes, oa, ob = ctx.saved_tensors
@@ -362,8 +368,9 @@ class _Weights(torch.autograd.Function):
         bsz, channels, hp, wp = padded.shape
         # the distances made again rather than kept: a map per offset held per solve otherwise
         dist = _weight_maps(padded, taps, inv, sizes, oa, ob, n, cutoff, dist=True)
-        e = torch.exp((dist * inv.reshape(-1, 1, 1, 1)).clamp(min=cutoff))
-        grad_e = torch.where((dist >= 0) & (e > math.exp(cutoff)), grad * e, 0.0)
+        exponent = dist * inv.reshape(-1, 1, 1, 1)
+        e = torch.exp(exponent.clamp(min=cutoff))
+        grad_e = torch.where((dist >= 0) & (exponent > cutoff), grad * e, 0.0)
         grad_taps = grad_e.sum(dim=(0, 2, 3))
         grad_exponent = grad_e * taps.reshape(1, -1, 1, 1)
         grad_inv = (grad_exponent * dist).sum(dim=(1, 2, 3))
@@ -409,6 +416,7 @@ class _Apply(torch.autograd.Function):
         return _kx(weights, x, oa, ob)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         weights, x, oa, ob = ctx.saved_tensors
         grad = grad.contiguous()
@@ -442,15 +450,16 @@ def weights(
     patch: int,
     cutoff: float,
 ) -> torch.Tensor:
-    """The guided kernel's weight maps ``(B, L, H, W)``: ``w_j(x) = k_j·e^{max(inv·D_j(x), cutoff)}``, 0
-    where the exponential is at most ``e^cutoff`` or ``x`` or ``x + o_j`` is outside its image, with
+    """The guided kernel's weight maps ``(B, L, H, W)``: ``w_j(x) = k_j·e^{inv·D_j(x)}``, 0 where the
+    exponent is at most ``cutoff`` or ``x`` or ``x + o_j`` is outside its image, with
     ``D_j(x) = ‖g(x) − g(x + o_j)‖²`` the distance of ``patch × patch`` patches of ``padded``
     ``(B, c, H + patch − 1, W + patch − 1)`` (each image mirrored at its own borders); ``taps`` ``k``
     ``(L,)``, ``inv`` ``(B,)``, ``sizes`` each image's ``(h, w)`` in its top-left corner. Differentiable
     w.r.t. ``padded``, ``taps`` and ``inv``."""
     device = padded.device
     oa, ob = _offsets(offsets, device)
-    box = _ints(tuple(v for hw in sizes for v in hw), device)
+    # not cached: every batch's sizes differ, and the weights are made outside the replayed steps
+    box = torch.tensor([v for hw in sizes for v in hw], dtype=torch.int32, device=device)
     return _Weights.apply(padded, taps, inv, box, oa, ob, patch, cutoff)
 
 
@@ -458,6 +467,9 @@ def apply(weights: torch.Tensor, x: torch.Tensor, offsets: Offsets) -> torch.Ten
     """``K x = Σ_j w_j ⊙ S_{o_j} x + Σ_{o_j ≠ 0} S_{−o_j}(w_j ⊙ x)`` ``(B, C, H, W)`` for ``weights``
     ``(B, L, H, W)`` of ``offsets`` and ``x`` ``(B, C, H, W)`` (``S_o x(y) = x(y + o)``, 0 outside);
     ``w_j(y)`` must be 0 where ``y + o_j`` is outside the image. Differentiable w.r.t. both."""
+    bsz, _, height, width = x.shape
+    if tuple(weights.shape) != (bsz, len(offsets), height, width):
+        raise ValueError(f"weights {tuple(weights.shape)}: not a map per offset of {tuple(x.shape)}")
     oa, ob = _offsets(offsets, x.device)
     return _Apply.apply(weights, x, oa, ob)
 
@@ -476,7 +488,7 @@ def pairs(
     in place, ``u_j = (scale_j · weights[:, index_j])^power``; with ``best`` ``(B, 1, H, W)``,
     ``best ← max(best, u_j, S_{−o_j} u_j)``. ``x``, ``out`` ``(B, C, H, W)`` contiguous. Not
     differentiated."""
-    _writable(out, best)
+    _writable(x, out, best)
     if not index:
         return
     device = x.device
@@ -500,7 +512,7 @@ def patch_pairs(
     with the box sums ``S_j(q) = Σ_{|d|≤p} s_j(q + d)``, ``s_j(z) = (scale_j · weights[:, index_j](z))^power
     · t(z) t(z + o_j)`` (0 unless ``z`` and ``z + o_j`` are in the array). ``t`` ``(B, 1, H, W)``, ``x``,
     ``out`` ``(B, C, H, W)``. Not differentiated."""
-    _writable(out)
+    _writable(x, out)
     if not index:
         return
     device, count = x.device, len(index)
@@ -518,7 +530,11 @@ def patch_pairs(
     _pairs(sums, _ints(tuple(range(count)), device), oa, ob, ones, 1, x.contiguous(), out, None)
 
 
-def _writable(*tensors: torch.Tensor | None) -> None:
-    """The outputs are written in place through their pointers: each must be contiguous."""
+def _writable(x: torch.Tensor, *tensors: torch.Tensor | None) -> None:
+    """The outputs are written in place through their pointers: each must be contiguous, and none may
+    share memory with the input ``x``, whose neighbours other programs read."""
     if any(t is not None and not t.is_contiguous() for t in tensors):
         raise ValueError("kdeq.fused writes only contiguous outputs")
+    memory = x.untyped_storage().data_ptr()
+    if any(t is not None and t.untyped_storage().data_ptr() == memory for t in tensors):
+        raise ValueError("kdeq.fused does not write over its input")

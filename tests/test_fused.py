@@ -8,7 +8,6 @@ served model through these kernels, ``auto``'s choice there.
 """
 
 import logging
-import math
 
 import pytest
 import torch
@@ -201,9 +200,15 @@ def test_when_the_kernels_run(monkeypatch, caplog) -> None:
         assert not native.enabled(x)
 
 
-def test_outputs_in_place_must_be_contiguous() -> None:
-    weights = torch.rand(1, 2, 4, 6)
+def test_what_the_kernels_refuse() -> None:
+    """An output written in place that is strided or is the input (whose neighbours other programs
+    read), and weight maps that are not one per offset of the image: each a clear error, not a race or
+    a read out of bounds."""
+    weights, x = torch.rand(1, 2, 4, 6), torch.rand(1, 1, 4, 6)
     out = torch.zeros(1, 1, 6, 4).transpose(-1, -2)
     with pytest.raises(ValueError, match="contiguous"):
-        fused.pairs(weights, [1], [(0, 1)], [1.0], 1, torch.rand(1, 1, 4, 6), out)
-    assert math.isfinite(float(weights.sum()))
+        fused.pairs(weights, [1], [(0, 1)], [1.0], 1, x, out)
+    with pytest.raises(ValueError, match="over its input"):
+        fused.pairs(weights, [1], [(0, 1)], [1.0], 1, x, x)
+    with pytest.raises(ValueError, match="a map per offset"):
+        fused.apply(weights, x, [(0, 0), (0, 1), (1, 0)])
