@@ -1,5 +1,6 @@
 """A solver's steps replayed as CUDA graphs: a chunk of ``k`` steps one launch, the batch's done flag
-read by the host once per chunk.
+read by the host once per chunk. Off by default (``KDEQ_CUDA_GRAPHS=1`` or ``pin(True)`` turns it on)
+until a GPU run has measured it.
 
 On a GPU a small image's step is hundreds of short kernels, each launched by the host (the guided
 kernel's ``K x`` alone a few hundred), so the device idles between them. Here a solver's step
@@ -9,7 +10,15 @@ into the key's buffers, the chunk replayed until the batch's ``active`` flags ar
 ``max_iter`` steps ran, and the state copied out. A converged sample stops counting at once, as in
 the eager loop, so the iterations reported are the map evaluations each sample used; the rest of its
 chunk repeats its frozen state, counted by no sample (the eager loop's look-ahead step, ``k − 1``
-wider).
+wider). The last step reported is the one after which the batch was done, as the CPU's loop reports
+it (a counter in the graph: the steps after which some sample was still active), so a caller that
+budgets steps (CG's restarts) sees the eager loop's.
+
+Only launch-bound solves replay: a batch whose iterate ``(B, c, H, W)`` has at most
+``kdeq.adaptive.GATHER_PIXELS`` pixels ``B·H·W`` (``numel ≤ GATHER_PIXELS·c``); a larger one's time
+is its bytes, not its launches, and its static copies would double its memory. Nor does a solve whose
+state or map holds a tensor that requires grad while grad is on (training: the static copies carry no
+autograd); under ``torch.no_grad`` or ``torch.inference_mode`` a map reading an ``nn.Parameter`` does.
 
 The key: what the step reads. ``advance`` is a closure over the map ``f`` (itself a closure or module
 over the request's tensors: the image, its mean, the guided kernel's weight maps), the config and the
@@ -19,13 +28,19 @@ state's own structure, the device, inference mode and the chunk's step phases (`
 of the step number a step's work depends on, Anderson's history length and slot) it is the key. So a
 model's solves of one batch and size class share a key, and their graphs, whatever their pixels. The
 graph reads private copies of those tensors (``_rebuild``: the closure rebuilt around them), into
-which each solve copies its own before its first replay; the originals are never written.
+which each solve copies its own before its first replay; the originals are never written. An object
+whose structure is not read here (``__slots__``, a function's attributes, anything the walk or the
+rebuild fails on) refuses its key.
 
-A step that a graph cannot hold (a host read, a tensor made from host memory, a map that changes its
-own state) raises in the capture, or is caught after its warm-up; its key is then run eagerly from
-then on (logged once). ``KDEQ_CUDA_GRAPHS=0`` turns replay off; only CUDA tensors are replayed. On the
-CPU ``replaying_on_cpu`` runs the same chunks eagerly over the same copies, so that everything but the
-capture itself is tested without a device (``tests/test_graphs.py``).
+A step that a graph cannot hold is caught in its warm-up, before any capture: a host read or a copy
+from pageable host memory (the warm-up runs under ``torch.cuda.set_sync_debug_mode``), or a map that
+changes its own state; its key is then run eagerly from then on (logged once). A capture that still
+fails leaves torch's caching allocator in a state no later capture recovers from, so it turns replay
+off for the rest of the process (logged as an error). Captures are one at a time in the process (as
+torch requires), each device's on its own stream. ``KDEQ_CUDA_GRAPHS=0`` (the default) turns replay
+off; only CUDA tensors are replayed. On the CPU ``replaying_on_cpu`` runs the same chunks eagerly over
+the same copies, so that everything but the capture itself is tested without a device
+(``tests/test_graphs.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ import logging
 import os
 import threading
 import types
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -45,9 +61,12 @@ from typing import Literal
 import torch
 from pydantic import BaseModel
 
+from kdeq.adaptive import GATHER_PIXELS
+
 log = logging.getLogger(__name__)
 
-#: environment variable: ``0`` runs every solve's steps eagerly, ``1`` (default) replays them on CUDA
+#: environment variable: ``0`` (default, until measured on a GPU) runs every solve's steps eagerly, ``1``
+#: replays them on CUDA
 ENV = "KDEQ_CUDA_GRAPHS"
 #: the values of ``ENV`` that turn replay off (those the service's boolean settings read as false)
 OFF = ("0", "false", "no", "off")
@@ -92,14 +111,14 @@ def pin(on: bool | None) -> None:
 
 
 def replays() -> bool:
-    """Whether CUDA solves replay their steps: ``pin``'s choice, else ``KDEQ_CUDA_GRAPHS`` (default on)."""
+    """Whether CUDA solves replay their steps: ``pin``'s choice, else ``KDEQ_CUDA_GRAPHS`` (default off)."""
     if _pinned is not None:
         return _pinned
-    return os.environ.get(ENV, "1").strip().lower() not in OFF
+    return os.environ.get(ENV, "0").strip().lower() not in OFF
 
 
 def mode(device: torch.device) -> Literal["graph", "eager"] | None:
-    """How ``device``'s steps run in chunks: ``graph`` on CUDA unless ``KDEQ_CUDA_GRAPHS=0``; ``eager``
+    """How ``device``'s steps run in chunks: ``graph`` on CUDA where ``replays()``; ``eager``
     on the CPU inside ``replaying_on_cpu``; else ``None`` (the solver's own loop)."""
     if device.type == "cuda":
         return "graph" if replays() else None
@@ -155,7 +174,7 @@ class _Walk:
             return ("ref", self.seen[id(obj)]), id(obj) in self.rebuilt or not done
         self.seen[id(obj)] = len(self.seen)
         if isinstance(obj, torch.Tensor):
-            if obj.requires_grad:
+            if obj.requires_grad and torch.is_grad_enabled():  # the static copies carry no autograd
                 raise NotGraphableError("a tensor the step reads requires grad")
             self.tensors.append(obj)
             return _meta(obj), True
@@ -168,6 +187,8 @@ class _Walk:
             sig, reach = self.each(obj.values())
             parts = (type(obj), tuple(obj), sig)
         elif isinstance(obj, types.FunctionType):
+            if vars(obj):  # attributes set on it, which the rebuilt function would not carry
+                raise NotGraphableError(f"{obj.__qualname__} has attributes")
             cells = obj.__closure__ or ()
             try:
                 contents = [c.cell_contents for c in cells]
@@ -182,6 +203,8 @@ class _Walk:
             sig, reach = self.each([obj.func, obj.args, obj.keywords])
             parts = ("partial", sig)
         elif hasattr(obj, "__dict__"):
+            if _slots(type(obj)):  # values the walk does not read nor the rebuild copy
+                raise NotGraphableError(f"the step reads a {type(obj).__name__}, which has __slots__")
             sig, reach = self.visit(vars(obj))
             parts = ("object", type(obj), sig)
         else:
@@ -196,6 +219,18 @@ class _Walk:
     def each(self, values: Iterable[object]) -> tuple[tuple, bool]:
         visited = [self.visit(v) for v in values]
         return tuple(sig for sig, _ in visited), any(reach for _, reach in visited)
+
+
+def _slots(cls: type) -> list[str]:
+    """The names ``cls`` and its bases keep in ``__slots__`` rather than in ``__dict__`` (pydantic's
+    bookkeeping aside: ``model_copy`` keeps it)."""
+    names = []
+    for c in cls.__mro__:
+        if c is BaseModel:
+            continue
+        declared = vars(c).get("__slots__", ())
+        names += [declared] if isinstance(declared, str) else list(declared)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -238,15 +273,28 @@ def _rebuild(obj: object, walk: _Walk, tensors: dict[int, torch.Tensor], memo: d
     if id(obj) in memo:
         return memo[id(obj)]
     again = functools.partial(_rebuild, walk=walk, tensors=tensors, memo=memo)
-    if isinstance(obj, (tuple, list)):
+    # a list, a dict, a function and an object are remembered before their contents are rebuilt: the
+    # contents may refer back to them (a closure calling itself)
+    if type(obj) is list:
+        new = memo[id(obj)] = []
+        new.extend(again(v) for v in obj)
+    elif type(obj) is dict:
+        new = memo[id(obj)] = {}
+        new.update((k, again(v)) for k, v in obj.items())
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        new = type(obj)._make(again(v) for v in obj)
+    elif isinstance(obj, (tuple, list)):
         new = type(obj)(again(v) for v in obj)
     elif isinstance(obj, dict):
         new = type(obj)((k, again(v)) for k, v in obj.items())
     elif isinstance(obj, types.FunctionType):
-        closure = tuple(types.CellType(again(c.cell_contents)) for c in obj.__closure__ or ())
-        new = types.FunctionType(
-            obj.__code__, obj.__globals__, obj.__name__, again(obj.__defaults__), closure or None
+        cells = tuple(types.CellType() for _ in obj.__closure__ or ())
+        new = memo[id(obj)] = types.FunctionType(
+            obj.__code__, obj.__globals__, obj.__name__, None, cells or None
         )
+        for cell, old in zip(cells, obj.__closure__ or (), strict=True):
+            cell.cell_contents = again(old.cell_contents)
+        new.__defaults__ = again(obj.__defaults__)
         new.__kwdefaults__ = again(obj.__kwdefaults__)
     elif isinstance(obj, types.MethodType):
         new = types.MethodType(again(obj.__func__), again(obj.__self__))
@@ -264,9 +312,17 @@ def _rebuild(obj: object, walk: _Walk, tensors: dict[int, torch.Tensor], memo: d
 
 def _structure(advance: Advance, state: State) -> tuple[Hashable, _Walk]:
     """The structure of ``advance`` and ``state`` (module docstring), and the walk of ``advance`` (the
-    tensors it reads, the objects that reach them)."""
+    tensors it reads, the objects that reach them). Raises ``NotGraphableError`` for a step the walk
+    cannot read (whatever fails in it: a cycle too deep for Python's stack, say)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in state.values()):
+        raise NotGraphableError("the solve's state requires grad")
     walk = _Walk()
-    steps = walk(advance)
+    try:
+        steps = walk(advance)
+    except NotGraphableError:
+        raise
+    except Exception as err:
+        raise NotGraphableError(f"the step's objects cannot be read: {err!r}") from err
     states = tuple((k, _meta(v)) for k, v in state.items())
     return (steps, states), walk
 
@@ -274,22 +330,29 @@ def _structure(advance: Advance, state: State) -> tuple[Hashable, _Walk]:
 @dataclass
 class _Entry:
     """One key's static copies: the step rebuilt around copies of the tensors it reads, the state's
-    buffers, and per chunk of step phases its graph (``True`` once its warm-up ran where chunks run
-    eagerly; ``None`` where it could not be captured)."""
+    buffers, the count ``alive`` (``int64``, ``()``) of the steps after which some sample was still
+    active, and per chunk of step phases its graph (``True`` once its warm-up ran where chunks run
+    eagerly)."""
 
     advance: Advance
     leaves: list[torch.Tensor]
     state: State
-    graphs: dict[tuple, torch.cuda.CUDAGraph | bool | None] = field(default_factory=dict)
+    alive: torch.Tensor
+    graphs: dict[tuple, torch.cuda.CUDAGraph | bool] = field(default_factory=dict)
 
 
 _cache: OrderedDict[Hashable, _Entry] = OrderedDict()
 _cache_lock = threading.Lock()
 #: keys whose step cannot be replayed (the last ``CACHE_SIZE`` of them): run eagerly, logged once
 _refused: OrderedDict[Hashable, None] = OrderedDict()
-#: per device: the memory pool its graphs share and the lock that has them replay one solve at a time
+#: per device: the memory pool its graphs share, the stream its warm-ups and captures run on (torch's
+#: default capture stream is made once, on the first device captured), and the lock that has its
+#: graphs replay one solve at a time
 _pools: dict[torch.device, tuple] = {}
+_streams: dict[torch.device, torch.cuda.Stream] = {}
 _device_locks: dict[torch.device, threading.Lock] = {}
+#: torch captures one graph at a time per process
+_capture_lock = threading.Lock()
 
 
 def cached() -> int:
@@ -304,19 +367,35 @@ def clear() -> None:
         _refused.clear()
 
 
+def small(state: State) -> bool:
+    """Whether a solve of ``state`` is launch-bound, so replayed: its iterate ``best`` ``(B, c, H, W)``
+    (or ``(B, n)``, ``c = 1``) holds at most ``GATHER_PIXELS`` pixels, ``numel ≤ GATHER_PIXELS·c``."""
+    best = state["best"]
+    channels = best.shape[1] if best.dim() == 4 else 1
+    return best.numel() <= GATHER_PIXELS * channels
+
+
 def _entry(key: Hashable, advance: Advance, walk: _Walk, state: State) -> _Entry:
     """The key's entry, made (and the least recently used one dropped past ``CACHE_SIZE``) where it
-    has none."""
+    has none. Raises ``NotGraphableError`` where the step cannot be rebuilt around copies."""
     with _cache_lock:
         entry = _cache.get(key)
         if entry is not None:
             _cache.move_to_end(key)
             return entry
-        statics = {id(t): _static_like(t) for t in walk.tensors}
+        try:
+            statics = {id(t): _static_like(t) for t in walk.tensors}
+            rebuilt = _rebuild(advance, walk, statics, {})
+        except NotGraphableError:
+            raise
+        except Exception as err:  # a type that cannot be made anew from its parts, say
+            raise NotGraphableError(f"the step cannot be rebuilt around copies: {err!r}") from err
+        device = state["active"].device
         entry = _Entry(
-            _rebuild(advance, walk, statics, {}),
+            rebuilt,
             [statics[id(t)] for t in walk.tensors],
             {name: _static_like(t) for name, t in state.items()},
+            torch.zeros((), dtype=torch.int64, device=device),
         )
         _cache[key] = entry
         while len(_cache) > CACHE_SIZE:
@@ -330,10 +409,12 @@ def _load(statics: Iterable[torch.Tensor], values: Iterable[torch.Tensor]) -> No
 
 
 def _chunk(entry: _Entry, steps: range) -> None:
-    """``len(steps)`` steps over the entry's buffers, the state written back into them."""
+    """``len(steps)`` steps over the entry's buffers, the state written back into them, each step after
+    which some sample is active counted in ``entry.alive``."""
     s = dict(entry.state)
     for step in steps:
         s = entry.advance(s, step)
+        entry.alive.add_(s["active"].any())
     for name, static in entry.state.items():
         if s[name] is not static:
             static.copy_(s[name])
@@ -345,36 +426,96 @@ def _versions(tensors: list[torch.Tensor]) -> list[int | None]:
     return [None if t.is_inference() else t._version for t in tensors]
 
 
-def _warm_up(entry: _Entry, steps: range) -> bool:
-    """Run the chunk ``steps`` eagerly (on a side stream on CUDA, as torch asks before a capture): it
-    advances the state as a replay would. Returns whether it changed the tensors or the structure its
-    step reads (a map that keeps state)."""
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
+
+@contextlib.contextmanager
+def _host_reads() -> Iterator[list[str]]:
+    """Within it, this thread's host synchronisations on CUDA (``.item()``, ``bool``, ``.tolist()``, a
+    copy from pageable host memory) are listed, not raised: torch's ``warn`` sync-debug mode, whose
+    warnings from other threads pass through untouched (its ``error`` mode would fail their work)."""
+    me, seen = threading.get_ident(), []
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if threading.get_ident() == me and "synchroniz" in str(message):
+                seen.append(str(message))
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+def _warm_up(entry: _Entry, steps: range) -> None:
+    """Run the chunk ``steps`` eagerly (on CUDA on the device's capture stream, as torch asks before a
+    capture, its host reads listed): it advances the state as a replay would. Raises
+    ``NotGraphableError`` where the chunk reads the host or changes the tensors or the structure its
+    step reads (a map that keeps state); an error of the steps themselves is raised as eagerly."""
     versions = _versions(entry.leaves)
     before = _structure(entry.advance, entry.state)[0]
-    device = next(iter(entry.state.values())).device
+    device = entry.alive.device
     if device.type == "cuda":
-        side = torch.cuda.Stream(device)
+        side = _stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _host_reads() as reads:
             _chunk(entry, steps)
         torch.cuda.current_stream(device).wait_stream(side)
+        if reads:
+            raise NotGraphableError(f"the step synchronises with the host: {reads[0]}")
     else:
         _chunk(entry, steps)
-    return _versions(entry.leaves) != versions or _structure(entry.advance, entry.state)[0] != before
+    if _versions(entry.leaves) != versions or _structure(entry.advance, entry.state)[0] != before:
+        raise NotGraphableError("the step changes the tensors or the objects it reads")
 
 
 def _capture(entry: _Entry, steps: range) -> torch.cuda.CUDAGraph:
-    """The chunk ``steps`` captured (not run)."""
-    device = next(iter(entry.state.values())).device
+    """The chunk ``steps`` captured (not run), on the device's own stream."""
+    device = entry.alive.device
     if device not in _pools:
         _pools[device] = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
     # thread_local: another thread's work on its own stream goes on while this one captures; the pool
     # is shared by the device's graphs, which replay one at a time (the device's lock) and whose
     # results are copied into their entries' buffers
-    with torch.cuda.graph(graph, pool=_pools[device], capture_error_mode="thread_local"):
+    with torch.cuda.graph(
+        graph, pool=_pools[device], stream=_stream(device), capture_error_mode="thread_local"
+    ):
         _chunk(entry, steps)
     return graph
+
+
+def _first_run(entry: _Entry, steps: range, phases: tuple, run: str, key: Hashable) -> bool:
+    """The chunk ``steps``'s first run: its warm-up, then (on CUDA) its capture, kept in
+    ``entry.graphs[phases]``. Returns whether the key goes on replaying; where not, the state has still
+    advanced by the chunk."""
+    with _capture_lock:  # the warm-up's too: its sync-debug mode is the process's
+        try:
+            _warm_up(entry, steps)
+        except NotGraphableError as err:
+            _refuse(key, err)
+            return False
+        if run != "graph":
+            entry.graphs[phases] = True
+            return True
+        try:
+            entry.graphs[phases] = _capture(entry, steps)
+        except Exception as err:  # the allocator's capture state is now broken (module docstring)
+            log.error("a CUDA graph capture failed, solver steps run eagerly from now on: %r", err)
+            pin(False)
+            clear()
+            return False
+    return True
 
 
 def iterate(
@@ -382,10 +523,13 @@ def iterate(
 ) -> tuple[State, int, bool]:
     """Steps ``start … stop`` of ``advance`` from ``state`` in chunks of ``CHUNK`` (the last one
     shorter), until no sample of ``state["active"]`` ``(B,)`` is left. Returns the state after the last
-    chunk run, the last step run and whether the loop is finished (the batch done or step ``stop``
-    run); not finished, the caller runs the steps left itself (a key that cannot be replayed)."""
+    chunk run, the last step run as the solver's own loop counts it (the step after which the batch was
+    done, else ``stop``) and whether the loop is finished (the batch done or step ``stop`` run); not
+    finished, the caller runs the steps left itself (a key that is not replayed)."""
     device = state["active"].device
     run = mode(device)
+    if not small(state):
+        return state, start - 1, False
     try:
         structure, walk = _structure(advance, state)
     except NotGraphableError as err:
@@ -399,31 +543,30 @@ def iterate(
     except NotGraphableError as err:
         _refuse(key, err)
         return state, start - 1, False
-    with _device_locks.setdefault(device, threading.Lock()):
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with _device_locks.setdefault(device, threading.Lock()), on_device:
         _load(entry.leaves, walk.tensors)
         _load(entry.state.values(), state.values())
+        entry.alive.zero_()
         step, finished = start - 1, True
         while step < stop:
             steps = range(step + 1, min(step + CHUNK, stop) + 1)
             phases = tuple(phase(k) for k in steps)
-            graph = entry.graphs.get(phases, False)
-            if graph is False:  # this chunk's first run: its warm-up (an error of its steps raised
-                # as it would be eagerly), then its capture
-                keeps_state = _warm_up(entry, steps)
-                try:
-                    if keeps_state:  # a replay would not see the change
-                        raise NotGraphableError("the step changes the tensors or the objects it reads")
-                    entry.graphs[phases] = _capture(entry, steps) if run == "graph" else True
-                except Exception as err:  # a kernel or host read a graph cannot hold: eager from now on
-                    entry.graphs[phases] = None
-                    _refuse(key, err)
-                    finished = False
+            graph = entry.graphs.get(phases)
+            replaying = True
+            if graph is None:
+                replaying = _first_run(entry, steps, phases, run, key)
             elif isinstance(graph, torch.cuda.CUDAGraph):
                 graph.replay()
             else:
                 _chunk(entry, steps)
             step = steps[-1]
-            if not finished or not bool(entry.state["active"].any()):  # the one host read of a chunk
+            alive = int(entry.alive)  # the one host read of a chunk
+            if alive < step - start + 1:  # the batch was done after step ``start + alive``
+                step = start + alive
+                break
+            if not replaying:
+                finished = False
                 break
         # copied out: the buffers are the next solve's
         out = {name: t.clone() for name, t in entry.state.items()}

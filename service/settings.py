@@ -167,9 +167,11 @@ class Settings(BaseModel):
     )
 
     cuda_graphs: bool = Field(
-        True,
+        False,
         description="on a CUDA device, run each solve's steps as CUDA graph replays, a chunk of steps a "
-        "launch, captured once per model, batch and size class (`kdeq.graphs`); off: one step at a time",
+        "launch, captured once per model, batch and size class (`kdeq.graphs`), for batches of at most "
+        "512 Ki pixels (`kdeq.adaptive.GATHER_PIXELS`); off (the default until replay is measured on a GPU): "
+        "one step at a time",
     )
 
     native_cache: Path | None = Field(

@@ -159,9 +159,15 @@ def _affine(device: str, batch: int):
 
 @pytest.mark.parametrize("method", sorted(SOLVERS))
 @pytest.mark.parametrize("batch", [1, 8])
-def test_solvers_agree_with_the_cpu_with_few_host_synchronisations(method: str, batch: int) -> None:
+def test_solvers_agree_with_the_cpu_with_few_host_synchronisations(
+    method: str, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Same fixed point and iterations within 1; the host synchronises a handful of times per solve
-    (CG's restart checks), not once per step (``torch.cuda.set_sync_debug_mode``)."""
+    (CG's restart checks), not once per step (``torch.cuda.set_sync_debug_mode``): the eager loop's
+    look-ahead, replay off (whatever a service made earlier in the process pinned)."""
+    from kdeq import graphs
+
+    monkeypatch.setattr(graphs, "_pinned", False)
     cfg = SolverConfig(method=method, tol=1e-5, max_iter=300, damping=0.3 if method == "fixed_point" else 1.0)
     f_cpu, z0_cpu = _affine("cpu", batch)
     f_gpu, z0_gpu = _affine("cuda", batch)
@@ -351,9 +357,9 @@ def test_replayed_solves_match_the_eager_ones_and_read_the_host_once_a_chunk(
     cfg = SolverConfig(method=method, tol=1e-5, max_iter=300, damping=0.3 if method == "fixed_point" else 1.0)
     f, z0 = _affine("cuda", 4)
     graphs.clear()
-    monkeypatch.setenv(graphs.ENV, "0")
+    monkeypatch.setattr(graphs, "_pinned", False)  # pinned, whatever a service made earlier pinned
     z_eager, s_eager = solve(f, z0, cfg)
-    monkeypatch.setenv(graphs.ENV, "1")
+    monkeypatch.setattr(graphs, "_pinned", True)
     z_graph, s_graph = solve(f, z0, cfg)  # warm-up and capture
     assert graphs.cached() == 1
     torch.cuda.synchronize()
@@ -381,14 +387,61 @@ def test_the_default_denoiser_replayed_is_the_eager_one(monkeypatch: pytest.Monk
     model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cuda:0")
     images = torch.rand(1, 1, 256, 256, generator=torch.Generator().manual_seed(5))
     graphs.clear()
-    monkeypatch.setenv(graphs.ENV, "0")
+    monkeypatch.setattr(graphs, "_pinned", False)
     eager = model.predict(images, sigma=SIGMA)
-    monkeypatch.setenv(graphs.ENV, "1")
+    monkeypatch.setattr(graphs, "_pinned", True)
     model.predict(images, sigma=SIGMA)
     replayed = model.predict(images, sigma=SIGMA)
     assert graphs.cached() >= 1
     assert torch.equal(eager.stats.iterations, replayed.stats.iterations)
     assert torch.equal(eager.output, replayed.output)
+
+
+def test_each_device_captures_its_own_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every visible device replays its own solve (each captured on its own stream: torch's default
+    capture stream belongs to the first device captured, and a capture for another device on it
+    records nothing), the same as that device's eager loop, bit for bit."""
+    from kdeq import graphs
+
+    cfg = SolverConfig(method="cg", tol=1e-5, max_iter=300)
+    graphs.clear()
+    for index in range(torch.cuda.device_count()):
+        f, z0 = _affine(f"cuda:{index}", 4)
+        monkeypatch.setattr(graphs, "_pinned", False)
+        z_eager, s_eager = solve(f, z0, cfg)
+        monkeypatch.setattr(graphs, "_pinned", True)
+        solve(f, z0, cfg)  # warm-up and capture
+        z_graph, s_graph = solve(f, z0, cfg)
+        assert graphs.cached() == index + 1 and graphs.replays()
+        assert torch.equal(s_eager.iterations, s_graph.iterations)
+        assert torch.equal(z_eager, z_graph)
+
+
+def test_a_step_that_reads_the_host_is_refused_in_its_warm_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A map that reads a value to the host (``.item()``) is caught in the warm-up, before any capture
+    (a failed capture would leave the allocator unable to capture again): its key runs eagerly, logged,
+    replay stays on for other keys, and the answer is the eager loop's."""
+    from kdeq import graphs
+
+    f, z0 = _affine("cuda", 2)
+
+    def reads(z: torch.Tensor) -> torch.Tensor:
+        return f(z) * (1.0 + 0.0 * z.abs().max().item())
+
+    cfg = SolverConfig(method="fixed_point", tol=1e-5, max_iter=300, damping=0.3)
+    graphs.clear()
+    monkeypatch.setattr(graphs, "_pinned", False)
+    z_eager, s_eager = solve(reads, z0, cfg)
+    monkeypatch.setattr(graphs, "_pinned", True)
+    z_graph, s_graph = solve(reads, z0, cfg)
+    assert graphs.cached() == 0 and graphs.replays()
+    assert any("synchronises with the host" in r.message for r in caplog.records)
+    assert torch.equal(s_eager.iterations, s_graph.iterations)
+    assert torch.equal(z_eager, z_graph)
+    solve(f, z0, cfg)
+    assert graphs.cached() == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

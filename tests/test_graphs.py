@@ -4,6 +4,8 @@ GPU (``tests/test_cuda.py``)."""
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from kdeq import Kernel, SolverConfig, dense_spectral_norm, graphs, grid_coordin
 from kdeq.checkpoint import load_checkpoint
 from kdeq.denoise import Denoiser
 from kdeq.repository import default_models_dir, find_model
+from kdeq.solvers import linear_cg
 
 F64 = torch.float64
 #: map evaluations, counted from outside the map's closure (a counter inside it is state the map
@@ -168,12 +171,16 @@ def test_the_default_denoisers_solve_chunked_is_its_solve() -> None:
     assert graphs.cached() == 1
 
 
-def test_graphs_are_for_cuda_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA by default; ``KDEQ_CUDA_GRAPHS`` off in any of the service's spellings of false, and
-    ``pin`` (the service's setting) over the variable."""
+def test_graphs_are_for_cuda_off_by_default_and_can_be_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off by default until measured on a GPU; ``KDEQ_CUDA_GRAPHS`` on in any of the service's spellings
+    of true, off in any of false, and ``pin`` (the service's setting) over the variable."""
     monkeypatch.setattr(graphs, "_pinned", None)  # a service made earlier in this process pinned it
+    monkeypatch.delenv(graphs.ENV, raising=False)
     assert graphs.mode(torch.device("cpu")) is None
-    assert graphs.mode(torch.device("cuda", 0)) == "graph"
+    assert graphs.mode(torch.device("cuda", 0)) is None
+    for on in ("1", "true", "Yes"):
+        monkeypatch.setenv(graphs.ENV, on)
+        assert graphs.mode(torch.device("cuda", 0)) == "graph"
     for off in ("0", "false", "No", "off"):
         monkeypatch.setenv(graphs.ENV, off)
         assert graphs.mode(torch.device("cuda", 0)) is None
@@ -183,3 +190,119 @@ def test_graphs_are_for_cuda_and_can_be_turned_off(monkeypatch: pytest.MonkeyPat
     assert graphs.mode(torch.device("cuda", 0)) is None
     with graphs.replaying_on_cpu():
         assert graphs.mode(torch.device("cpu")) == "eager"
+
+
+@pytest.mark.parametrize("max_iter", [40, 43, 61, 300])
+def test_cg_restarts_spend_the_eager_loops_step_budget(max_iter: int) -> None:
+    """CG's true residual is that of ``A′ = (1 + ε)A`` while its recursion solves ``A``: each cycle
+    converges on ``A``, the true check restarts it (iterative refinement, the error times ``ε`` a
+    cycle), and the cycles' steps add up against ``max_iter``. Replayed chunks report the step the batch
+    was done after, as the loop does, so the restarts, counts and results are the loop's bit for bit,
+    whether the budget ends mid-cycle or the samples (``ε`` from 0.05 to 0.3) converge. (Reporting the
+    chunk's last step instead ends the restarts of 40, 43 and 61 early.)"""
+    gen = torch.Generator().manual_seed(4)
+    gram = Kernel(lengthscale=2.0, radius=5).gram(grid_coordinates(8, 8)).to(F64)
+    gram = gram * 5.0 / dense_spectral_norm(gram)
+    eps = torch.tensor([0.05, 0.15, 0.3], dtype=F64)[:, None]
+    r0 = torch.rand(3, 64, dtype=F64, generator=gen)
+    z0 = torch.zeros(3, 64, dtype=F64)
+    cycles = {"n": 0}
+
+    def apply_a(p: torch.Tensor) -> torch.Tensor:
+        return p + p @ gram
+
+    def residual(d: torch.Tensor) -> torch.Tensor:  # once per cycle, on the host's side of the loop
+        cycles["n"] += 1
+        return r0 - (1 + eps) * apply_a(d)
+
+    cfg = SolverConfig(method="cg", tol=1e-10, max_iter=max_iter)
+    eager = linear_cg(apply_a, r0, z0, cfg, residual=residual)
+    eager_cycles, cycles["n"] = cycles["n"], 0
+    with graphs.replaying_on_cpu():
+        chunked = linear_cg(apply_a, r0, z0, cfg, residual=residual)
+    assert cycles["n"] == eager_cycles >= 3
+    assert torch.equal(eager[0], chunked[0]) and torch.equal(eager[2], chunked[2])
+    for name in ("iterations", "residual", "converged"):
+        assert torch.equal(getattr(eager[1], name), getattr(chunked[1], name)), name
+    assert bool(eager[1].converged.all()) == (max_iter == 300)
+    assert graphs.cached() == 1
+
+
+Pair = collections.namedtuple("Pair", "scale shift")
+
+
+class _Slotted:
+    __slots__ = ("shift",)
+
+    def __init__(self, shift: torch.Tensor) -> None:
+        self.shift = shift
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        return 0.5 * z + self.shift
+
+
+def _counted(shift: torch.Tensor):
+    def f(z: torch.Tensor) -> torch.Tensor:
+        return 0.5 * z + shift
+
+    f.calls = 0  # an attribute the rebuilt function would not carry
+    return f
+
+
+def _recursive(shift: torch.Tensor):
+    def f(z: torch.Tensor, depth: int = 2) -> torch.Tensor:  # calls itself through its own cell
+        return 0.5 * z + shift if depth == 0 else f(z, depth - 1)
+
+    return f
+
+
+def _paired(shift: torch.Tensor):
+    pair = Pair(0.5, shift)
+    return lambda z: pair.scale * z + pair.shift
+
+
+@pytest.mark.parametrize(
+    ("make", "replayed"), [(_paired, True), (_recursive, True), (_Slotted, False), (_counted, False)]
+)
+def test_maps_the_walk_reads_replay_and_the_rest_run_eagerly(make, replayed: bool) -> None:
+    """A named tuple and a closure calling itself are rebuilt around the copies; an object with
+    ``__slots__`` and a function with attributes hold what the walk does not read, so their keys are
+    refused. Each solve is its eager one, bit for bit."""
+    shift = torch.rand(2, 30, dtype=F64, generator=torch.Generator().manual_seed(6))
+    cfg = SolverConfig(method="fixed_point", tol=1e-12, max_iter=100, damping=1.0)
+    eager, chunked = _both(make(shift), torch.zeros(2, 30, dtype=F64), cfg)
+    _same(eager, chunked)
+    assert graphs.cached() == int(replayed)
+
+
+def test_parameters_replay_without_grad_and_not_with_it() -> None:
+    """A map reading an ``nn.Parameter`` replays under ``no_grad`` and ``inference_mode`` (the copies
+    need no autograd there); with grad on, it and a state that requires grad run eagerly, and the
+    solve is still the loop's."""
+    layer = torch.nn.Linear(30, 30, dtype=F64)
+    with torch.no_grad():
+        layer.weight.mul_(0.5 / torch.linalg.matrix_norm(layer.weight, 2))
+    cfg = SolverConfig(method="fixed_point", tol=1e-12, max_iter=200, damping=1.0)
+    z0 = torch.zeros(2, 30, dtype=F64)
+    with torch.no_grad():
+        _same(*_both(layer, z0, cfg))
+    with torch.inference_mode():
+        _same(*_both(layer, z0, cfg))
+    assert graphs.cached() == 2  # inference mode is part of the key
+    graphs.clear()
+    _same(*_both(layer, z0, cfg))
+    _same(*_both(lambda z: 0.5 * z + 1.0, z0.requires_grad_(), cfg))
+    assert graphs.cached() == 0
+
+
+def test_only_small_batches_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of more than ``GATHER_PIXELS`` pixels is bandwidth-bound: it runs eagerly, no copies
+    made; at the bound it replays."""
+    b = torch.rand(2, 3, 4, 5, dtype=F64, generator=torch.Generator().manual_seed(7))
+    cfg = SolverConfig(method="fixed_point", tol=1e-12, max_iter=100, damping=1.0)
+    monkeypatch.setattr(graphs, "GATHER_PIXELS", 2 * 4 * 5 - 1)
+    _same(*_both(lambda z: 0.5 * z + b, torch.zeros_like(b), cfg))
+    assert graphs.cached() == 0
+    monkeypatch.setattr(graphs, "GATHER_PIXELS", 2 * 4 * 5)
+    _same(*_both(lambda z: 0.5 * z + b, torch.zeros_like(b), cfg))
+    assert graphs.cached() == 1
