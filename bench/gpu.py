@@ -65,7 +65,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from load import drive, free_port, images, multipart, start_server  # noqa: E402
 
-from kdeq import backends  # noqa: E402
+from kdeq import backends, graphs  # noqa: E402
 from kdeq.cli import test_image  # noqa: E402
 from kdeq.precision import ieee_float32  # noqa: E402
 from kdeq.repository import default_models_dir, load_predictor  # noqa: E402
@@ -89,7 +89,7 @@ BUDGET_S = {
     "peer": 20,
     "models": 150,
     "cpu": 20,
-    "profile": 30,
+    "profile": 45,
     "targets": 1,
     "service": 45,
     "backends": 10,
@@ -340,10 +340,12 @@ def section_cpu(args: argparse.Namespace, out: list[str], rates: dict) -> None:
 
 
 def section_profile(args: argparse.Namespace, out: list[str], rates: dict) -> None:
-    """The default denoiser at 256², batch 1 and 32, each first timed (median wall seconds per solve,
-    unprofiled), then ``PROFILED_SOLVES`` solves under ``torch.profiler`` (``summarise``): launches and
-    GPU events per solve, and the GPU-busy fraction, the device's busy µs per solve ÷ the unprofiled
-    wall µs per solve (the profiler's own host overhead would lower a profiled wall's fraction)."""
+    """The default denoiser at 256², batch 1 and 32, its solver's steps one at a time and replayed as
+    CUDA graphs (``kdeq.graphs``, off by default until measured), each first timed (median wall seconds
+    per solve, unprofiled), then ``PROFILED_SOLVES`` solves under ``torch.profiler`` (``summarise``):
+    launches and GPU events per solve, and the GPU-busy fraction, the device's busy µs per solve ÷ the
+    unprofiled wall µs per solve (the profiler's own host overhead would lower a profiled wall's
+    fraction). The targets read the default's (eager) rows."""
     from torch.profiler import ProfilerActivity, profile
 
     folder = default_folder()
@@ -351,29 +353,34 @@ def section_profile(args: argparse.Namespace, out: list[str], rates: dict) -> No
     out += [
         f"\n## Where a solve's time goes on cuda:0 ({folder.parent.name}:{folder.name}, 256², "
         f"torch.profiler over {PROFILED_SOLVES} solves)\n",
-        "| batch | launches per solve | GPU kernels and copies per solve | GPU busy ms per solve | "
-        "wall ms per solve | GPU busy |",
-        "|---|---|---|---|---|---|",
+        "| batch | solver steps | launches per solve | GPU kernels and copies per solve | "
+        "GPU busy ms per solve | wall ms per solve | GPU busy |",
+        "|---|---|---|---|---|---|---|",
     ]
     tops = []
-    for batch in PROFILE_BATCHES:
-        a, kw = inputs(model.task, batch, 256, args.seed, "cuda:0")
-        run = functools.partial(model.predict, *a, **kw)
-        wall = timed(run, args.repeat, True, args.point_seconds)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(PROFILED_SOLVES):
-                run()
-            torch.cuda.synchronize()
-        found = summarise(events_of(prof), PROFILED_SOLVES)
-        busy = found.device_us / (wall * 1e6)
-        rates[("launches", 256, batch)] = found.launches
-        rates[("busy", 256, batch)] = busy
-        out.append(
-            f"| {batch} | {found.launches:.0f} | {found.device_ops:.0f} | {found.device_us / 1e3:.2f} | "
-            f"{wall * 1e3:.2f} | {busy:.2f} |"
-        )
-        print(out[-1], flush=True)
-        tops += [(batch, *row) for row in found.top]
+    # the steps one at a time (the default) and replayed as CUDA graphs (KDEQ_CUDA_GRAPHS=1), side by side
+    for replay in (False, True):
+        graphs.pin(replay)
+        for batch in PROFILE_BATCHES:
+            a, kw = inputs(model.task, batch, 256, args.seed, "cuda:0")
+            run = functools.partial(model.predict, *a, **kw)
+            wall = timed(run, args.repeat, True, args.point_seconds)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(PROFILED_SOLVES):
+                    run()
+                torch.cuda.synchronize()
+            found = summarise(events_of(prof), PROFILED_SOLVES)
+            busy = found.device_us / (wall * 1e6)
+            if not replay:
+                rates[("launches", 256, batch)] = found.launches
+                rates[("busy", 256, batch)] = busy
+            out.append(
+                f"| {batch} | {'replayed' if replay else 'eager'} | {found.launches:.0f} | "
+                f"{found.device_ops:.0f} | {found.device_us / 1e3:.2f} | {wall * 1e3:.2f} | {busy:.2f} |"
+            )
+            print(out[-1], flush=True)
+            tops += [(batch, *row) for row in found.top] if not replay else []
+    graphs.pin(None)
     out += [
         "\n| batch | GPU kernel or copy | ms per solve | calls per solve | share of GPU time |",
         "|---|---|---|---|---|",
