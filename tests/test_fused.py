@@ -212,3 +212,16 @@ def test_what_the_kernels_refuse() -> None:
         fused.pairs(weights, [1], [(0, 1)], [1.0], 1, x, x)
     with pytest.raises(ValueError, match="a map per offset"):
         fused.apply(weights, x, [(0, 0), (0, 1), (1, 0)])
+
+
+def test_the_trainer_runs_the_fused_kernels_on_a_gpu() -> None:
+    """``kdeq train``'s reproducible arithmetic: torch's loops on a CPU (a machine that compiles its own
+    repeats none of another's), the fused kernels on a CUDA device (deterministic sums, no atomics)."""
+    from kdeq.train.loop import reproducible_arithmetic
+
+    with reproducible_arithmetic(torch.device("cpu")):
+        assert native.choice.pinned() == "loop"
+    with reproducible_arithmetic(torch.device("cuda", 0)):
+        assert native.choice.pinned() == "triton"
+    with reproducible_arithmetic():
+        assert native.choice.pinned() == "loop"
