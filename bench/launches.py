@@ -2,12 +2,13 @@
 source lines they come from (issue 55: the glue around the fused kernels and the replayed steps).
 
     .venv/bin/python bench/launches.py [--model denoise-kglm] [--size 64] [--batch 1] [--sigma 25]
-        [--top 25] [--no-graphs]
+        [--top 25] [--graphs] [--compare]
 
 A model is loaded on the CPU and run as a CUDA device would run it (``emulated_cuda``): the guided
-kernel's loops go to ``kdeq.fused`` (``auto``'s choice on CUDA) rather than ``kdeq.native``, and the
-solver's steps run in ``kdeq.graphs``' chunks (``replaying_on_cpu``). One ``predict`` warms the caches (the
-fused module's index tensors, the chunks' static copies: a GPU's first request), then one is counted:
+kernel's loops go to ``kdeq.fused`` (``auto``'s choice on CUDA) rather than ``kdeq.native``, the blurs
+take their GPU branch (``gpu_blur``), and with ``--graphs`` the solver's steps run in ``kdeq.graphs``'
+chunks (``replaying_on_cpu``). One ``predict`` warms the caches (the fused module's index tensors, the
+chunks' static copies: a GPU's first request), then one is counted:
 
 - **aten**: every outermost ``aten`` operation that makes a kernel, from ``torch.profiler``'s events.
   ``NO_KERNEL`` lists those that make none (views, reshapes, allocations, dispatch wrappers such as
@@ -51,7 +52,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kdeq import adaptive, fused, graphs, native
+from kdeq import adaptive, filters, fused, graphs, native
 from kdeq.cli import test_image
 from kdeq.repository import default_models_dir, load_predictor
 
@@ -288,10 +289,23 @@ def emulated_cuda(rec: _Recorder, replay: bool = True) -> Iterator[None]:
     native.enabled = lambda *tensors: False  # kdeq.native's loops are the CPU's
     graphs._chunk, graphs._warm_up = replayed, warmed
     try:
-        with graphs.replaying_on_cpu() if replay else contextlib.nullcontext():
+        with graphs.replaying_on_cpu() if replay else contextlib.nullcontext(), gpu_blur():
             yield
     finally:
         fused._kernels, fused.enabled, native.enabled, graphs._chunk, graphs._warm_up = saved
+
+
+@contextlib.contextmanager
+def gpu_blur() -> Iterator[None]:
+    """Within it ``filters.separable_blur`` takes its GPU branch, two grouped convolutions, rather than
+    the CPU's shifted multiply-adds (the one branch on the device's type that the default denoiser
+    meets outside the guided kernel and the solver's host reads)."""
+    saved = filters._blur_shifted
+    filters._blur_shifted = filters._blur_grouped
+    try:
+        yield
+    finally:
+        filters._blur_shifted = saved
 
 
 @contextlib.contextmanager
@@ -304,7 +318,8 @@ def emulated_before() -> Iterator[None]:
     native.enabled = lambda *tensors: False
     adaptive._gathers = lambda x: x.shape[0] * x.shape[-2] * x.shape[-1] <= adaptive.GATHER_PIXELS
     try:
-        yield
+        with gpu_blur():
+            yield
     finally:
         fused.enabled, native.enabled, adaptive._gathers = saved
 
@@ -358,8 +373,8 @@ _lock = threading.Lock()
 def count(predictor, args: tuple, kwargs: dict, replay: bool = True, before: bool = False) -> Count:
     """One ``predict(*args, **kwargs)`` of ``predictor`` (on the CPU) counted as a CUDA device would
     launch it, after one uncounted warm-up call; ``replay=False``: the solver's steps eager
-    (``KDEQ_CUDA_GRAPHS=0``); ``before``: as a CUDA device ran it before the fused kernels and the
-    replayed steps (``emulated_before``)."""
+    (``KDEQ_CUDA_GRAPHS`` unset, as served); ``before``: as a CUDA device ran it before the fused
+    kernels and the replayed steps (``emulated_before``)."""
     rec = _Recorder()
     with _lock, emulated_before() if before else emulated_cuda(rec, replay):
         predictor.predict(*args, **kwargs)
@@ -427,7 +442,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--sigma", type=float, default=25.0)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--no-graphs", action="store_true", help="the solver's steps eager")
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="the solver's steps replayed as CUDA graphs (KDEQ_CUDA_GRAPHS=1; off by default, as served)",
+    )
     parser.add_argument(
         "--compare",
         action="store_true",
@@ -438,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = model_folder(opts.model)
     predictor = load_predictor(folder, "cpu")
     args, kwargs = arguments(predictor.task, opts.size, opts.batch, opts.sigma)
-    c = count(predictor, args, kwargs, replay=not opts.no_graphs)
+    c = count(predictor, args, kwargs, replay=opts.graphs)
     print(
         f"{folder.relative_to(default_models_dir().parent)}: {opts.batch}×{opts.size}², σ={opts.sigma:g}; "
         f"torch {torch.__version__}, {platform.machine()}, emulating a CUDA device on the CPU"
