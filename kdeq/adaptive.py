@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from kdeq import fused, native
-from kdeq.filters import mirror_pad
+from kdeq.filters import mirror_pad, window_sum
 from kdeq.kernels import Kernel
 
 
@@ -128,15 +128,15 @@ def guided_weights(
     r, p = spatial.shape[0] // 2, patch_radius
     chosen = half_offsets(r) if offsets is None else list(offsets)
     padded = _pad_each(guide, p, sizes)
-    src = F.pad(padded, (r, r, r, r))
-    hp, wp = padded.shape[-2:]
     inv = (-0.5 / h2.clamp(min=torch.finfo(guide.dtype).tiny)).reshape(bsz, 1, 1, 1)
     rows, cols, _ = _indices(tuple(chosen), r, spatial.device)
     taps = spatial[rows, cols]
     if fused.enabled(native.choice.pinned(), guide, spatial, h2):
         every = sizes or [(height, width)] * bsz
         return fused.weights(padded, taps, inv.reshape(-1), chosen, every, 2 * p + 1, _CUTOFF)
+    # the guide zero-padded by r, read shifted by the gathers and torch's loops (not by the compiled ones)
     if _gathers(guide):
+        src = F.pad(padded, (r, r, r, r))
         return _guided_weights_gathered(padded, src, taps, inv, r, 2 * p + 1, chosen, sizes)
     inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (guide, spatial, h2)))
     shape = (bsz, len(chosen), height, width)
@@ -146,6 +146,8 @@ def guided_weights(
         if sizes is not None:
             _zero_outside(out, chosen, sizes)
         return out
+    src = F.pad(padded, (r, r, r, r))
+    hp, wp = padded.shape[-2:]
     n = 2 * p + 1
     if inplace:
         sq = guide.new_empty(bsz, _CHUNK, hp, wp)
@@ -163,7 +165,7 @@ def guided_weights(
         # the weights out of subnormal range, where exp and every later product are ~10× slower
         if not inplace:
             dist = torch.stack([(padded - shifted(a, b)).square().sum(dim=1) for a, b in part], dim=1)
-            e = torch.exp((_window_sum(_window_sum(dist, n, -1), n, -2) * inv).clamp(min=_CUTOFF))
+            e = torch.exp((window_sum(window_sum(dist, n, -1), n, -2) * inv).clamp(min=_CUTOFF))
             w.copy_(torch.where(e > _FLOOR, e, 0.0) * tap)
         else:
             for j, (a, b) in enumerate(part):
@@ -174,7 +176,7 @@ def guided_weights(
             dist = sq[:, : len(part)]
             if diff is None:
                 dist.square_()
-            _window_sum(_window_sum(dist, n, -1, rows[:, : len(part)]), n, -2, w).mul_(inv)
+            window_sum(window_sum(dist, n, -1, rows[:, : len(part)]), n, -2, w).mul_(inv)
             F.threshold(w.clamp_(min=_CUTOFF).exp_(), _FLOOR, 0.0, inplace=True).mul_(tap)
         _zero_outside(w, part, sizes)
     return out
@@ -260,24 +262,6 @@ _FLOOR = math.exp(_CUTOFF)
 #: about one core's cache: the patch-aggregated non-local mean processes as many offsets' maps
 #: together as fit in it (``GuidedOperator.nonlocal_mean``)
 _MATCH_CACHE_BYTES = 1 << 20
-
-
-def _window_sum(x: torch.Tensor, n: int, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Sums of ``n`` consecutive entries along ``dim`` (length ``L → L − n + 1``), added left to right
-    (no cumulative-sum cancellation); into ``out`` in place when given, else out of place (autograd)
-    — the same additions in the same order, so both give the same numbers."""
-    length = x.shape[dim] - n + 1
-    if n == 1:
-        return x if out is None else out.copy_(x)
-    if out is None:
-        total = x.narrow(dim, 0, length) + x.narrow(dim, 1, length)
-        for k in range(2, n):
-            total = total + x.narrow(dim, k, length)
-        return total
-    torch.add(x.narrow(dim, 0, length), x.narrow(dim, 1, length), out=out)
-    for k in range(2, n):
-        out.add_(x.narrow(dim, k, length))
-    return out
 
 
 def apply_weights(weights: torch.Tensor, x: torch.Tensor, offsets: Offsets | None = None) -> torch.Tensor:
@@ -386,7 +370,7 @@ def _guided_weights_gathered(
     parts = []
     for start, part in _groups(chosen, 3 * bsz * (c + 1) * hp * wp * padded.element_size()):
         dist = (padded.unsqueeze(2) - _shifts(src, part, r, hp, wp)).square().sum(dim=1)
-        e = torch.exp((_window_sum(_window_sum(dist, n, -1), n, -2) * inv).clamp(min=_CUTOFF))
+        e = torch.exp((window_sum(window_sum(dist, n, -1), n, -2) * inv).clamp(min=_CUTOFF))
         tap = taps[start : start + len(part)].reshape(1, -1, 1, 1)
         parts.append(torch.where(e > _FLOOR, e, 0.0) * tap * inside[:, start : start + len(part)])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -643,7 +627,7 @@ class GuidedOperator:
         scale = norm.rsqrt() * inside
         # c/Z, not c·s²: s² overflows where Z is subnormal (u_o^κ of weak matches); its box sum over
         # the centres, zero beyond the image (no patch is centred there)
-        box = _window_sum(_window_sum(F.pad(centre / norm * inside, (p, p, p, p)), n, -1), n, -2)
+        box = window_sum(window_sum(F.pad(centre / norm * inside, (p, p, p, p)), n, -1), n, -2)
         loops = _compiled(both, self._args[0])
         if loops is not None:
             total = (box * both).contiguous()
@@ -665,7 +649,7 @@ class GuidedOperator:
             return box_in[:, :k, p : p + height, p : p + width]
 
         def box_sums(k: int) -> torch.Tensor:
-            return _window_sum(_window_sum(box_in[:, :k], n, -1, rows[:, :k]), n, -2, boxed[:, :k])
+            return window_sum(window_sum(box_in[:, :k], n, -1, rows[:, :k]), n, -2, boxed[:, :k])
 
         total_here, both_here, scale_here = total[here], both[here], scale[here]
         total_here.addcmul_(box, both_here)

@@ -1,4 +1,5 @@
-"""Separable Gaussian smoothing and normalised convolution, used for guides and mean functions.
+"""Separable Gaussian smoothing, normalised convolution and window sums, used for guides, mean functions
+and the guided kernel's patch distances.
 
 The 1-D taps are stored in checkpoints (so a fine-tuned model may change
 them); borders are mirrored so an image's edge is not darkened.
@@ -88,3 +89,21 @@ def normalized_convolution(
     tiny = 1e-6
     fill = observed_mean(y, observed) if level is None else level.to(y.dtype)[..., None, None]
     return torch.where(den > tiny, num / den.clamp(min=tiny), fill.expand_as(num))
+
+
+def window_sum(x: torch.Tensor, n: int, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Sums of ``n`` consecutive entries along ``dim`` (length ``L → L − n + 1``), added left to right
+    (no cumulative-sum cancellation); into ``out`` in place when given, else out of place (autograd)
+    — the same additions in the same order, so both give the same numbers."""
+    length = x.shape[dim] - n + 1
+    if n == 1:
+        return x if out is None else out.copy_(x)
+    if out is None:
+        total = x.narrow(dim, 0, length) + x.narrow(dim, 1, length)
+        for k in range(2, n):
+            total = total + x.narrow(dim, k, length)
+        return total
+    torch.add(x.narrow(dim, 0, length), x.narrow(dim, 1, length), out=out)
+    for k in range(2, n):
+        out.add_(x.narrow(dim, k, length))
+    return out

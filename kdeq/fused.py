@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from kdeq.filters import window_sum
+
 try:  # the gpu extra; kdeq runs without it
     import triton
     import triton.language as tl
@@ -86,10 +88,12 @@ def enabled(pinned: str | None, *tensors: torch.Tensor) -> bool:
         return False
     if device.type == "cuda":
         return True
-    if pinned == "triton" and not interpreting():
+    if pinned != "triton":  # auto: a CPU keeps its own loops
+        return False
+    if not interpreting():
         _warn_cpu()
         return False
-    return pinned == "triton" and device.type == "cpu"
+    return device.type == "cpu"
 
 
 # The kernels. They are plain functions here, compiled by ``triton.jit`` on first use (``_kernels``),
@@ -315,15 +319,6 @@ def _launch(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _box(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """Sums of ``n`` consecutive entries along ``dim`` (length ``L → L − n + 1``), left to right."""
-    length = x.shape[dim] - n + 1
-    total = x.narrow(dim, 0, length)
-    for k in range(1, n):
-        total = total + x.narrow(dim, k, length)
-    return total
-
-
 def _weight_maps(
     padded: torch.Tensor,
     taps: torch.Tensor,
@@ -376,7 +371,7 @@ class _Weights(torch.autograd.Function):
         grad_inv = (grad_exponent * dist).sum(dim=(1, 2, 3))
         grad_dist = grad_exponent * inv.reshape(-1, 1, 1, 1)
         # Q_j(z) = Σ_{d ∈ [0, n)²} ∂L/∂D_j(z − d): the patch's box sum, transposed, (B, L, H + n − 1, ·)
-        q = _box(_box(F.pad(grad_dist, (n - 1, n - 1, n - 1, n - 1)), n, -1), n, -2).contiguous()
+        q = window_sum(window_sum(F.pad(grad_dist, (n - 1, n - 1, n - 1, n - 1)), n, -1), n, -2).contiguous()
         grad_padded = torch.empty_like(padded)
         with _launch(padded.device):
             _kernels().guide_grad[_grid(bsz * channels, hp, wp)](

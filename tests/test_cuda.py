@@ -157,6 +157,18 @@ def _affine(device: str, batch: int):
     return lambda z: conv(t - z, bank), torch.zeros_like(t)
 
 
+def _host_syncs(run):
+    """``run()``'s result, and the host synchronisations torch's sync-debug mode warned of during it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, [w for w in caught if "synchroniz" in str(w.message)]
+
+
 @pytest.mark.parametrize("method", sorted(SOLVERS))
 @pytest.mark.parametrize("batch", [1, 8])
 def test_solvers_agree_with_the_cpu_with_few_host_synchronisations(
@@ -175,14 +187,8 @@ def test_solvers_agree_with_the_cpu_with_few_host_synchronisations(
         f_cpu, f_gpu = (SplitMap(pre=f, prox=lambda x, _alpha: x, step=0.3) for f in (f_cpu, f_gpu))
     z_cpu, s_cpu = solve(f_cpu, z0_cpu, cfg)
     torch.cuda.synchronize()
-    with ieee_float32(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            z_gpu, s_gpu = solve(f_gpu, z0_gpu, cfg)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    with ieee_float32():
+        (z_gpu, s_gpu), syncs = _host_syncs(lambda: solve(f_gpu, z0_gpu, cfg))
     assert s_cpu.converged.all() and s_gpu.converged.cpu().all()
     assert int(s_gpu.iterations.max()) >= 5
     assert len(syncs) <= 3, [str(w.message) for w in syncs]
@@ -363,14 +369,7 @@ def test_replayed_solves_match_the_eager_ones_and_read_the_host_once_a_chunk(
     z_graph, s_graph = solve(f, z0, cfg)  # warm-up and capture
     assert graphs.cached() == 1
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            z_again, s_again = solve(f, z0, cfg)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    (z_again, s_again), syncs = _host_syncs(lambda: solve(f, z0, cfg))
     assert graphs.cached() == 1
     assert torch.equal(s_eager.iterations, s_graph.iterations)
     torch.testing.assert_close(z_graph, z_eager, rtol=0, atol=0)
