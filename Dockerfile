@@ -54,7 +54,7 @@ base = ".".join(os.environ.get("CUDA_VERSION", "").split(".")[:2]) or None; \
 sys.exit(None if torch.version.cuda == base else \
   f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but the base image has CUDA {base}: " \
   "set TORCH_INDEX to the PyTorch index of the base image CUDA (its cpu index on a base without CUDA)")'
-# on a CUDA base, the gpu extra (Triton: the guided kernel's fused kernels, kdeq/fused.py), which torch
+# on a CUDA base, the gpu extra (Triton: the guided kernel's fused kernels, kdeq/maths/fused.py), which torch
 # installed without its dependencies does not bring; after the CUDA check, which a mismatch meets first
 RUN if [ -n "${CUDA_VERSION:-}" ]; then \
       if [ "${OFFLINE}" = 1 ]; then set -- --no-index --find-links /wheels; fi; \
@@ -70,7 +70,7 @@ RUN if [ "${OFFLINE}" = 1 ]; then set -- --no-index --find-links /wheels --no-bu
 
 FROM base AS runtime
 # a C compiler: kdeq compiles the guided kernel's CPU loops for the host's CPU on first use (the
-# warm-up's), 1.2-2.3x faster than torch's (kdeq/native.py; docs/BENCHMARKS.md, "the offset loops
+# warm-up's), 1.2-2.3x faster than torch's (kdeq/runtime/native.py; docs/BENCHMARKS.md, "the offset loops
 # compiled"); without one it runs torch's. NATIVE=0 leaves it out (a GPU-only image); an offline
 # build installs nothing, so its base must bring one (deploy/test-image.sh's does)
 ARG NATIVE=1

@@ -20,7 +20,7 @@ Mean PSNR under this protocol with the defaults:
   on the whole image, 28.06 dB on the missing pixels;
 * ``tv_threshold`` on ``horse()`` + N(0, 1) (seed 0), σ=1: IoU 0.976;
 * ``gaussian_filter_best``, Set12 σ=25: 26.51 dB (see ``GAUSSIAN_STDS``);
-* deblurring, Set12 (``blur`` with ``kdeq.psf``'s PSFs, then ``add_noise``): Gaussian PSF σ=1.6
+* deblurring, Set12 (``blur`` with ``kdeq.maths.psf``'s PSFs, then ``add_noise``): Gaussian PSF σ=1.6
   with noise 2.55, ``richardson_lucy`` 27.85 dB (50 iterations, oracle), ``wiener`` 27.89 dB
   (balance 0.003, oracle), ``unsupervised_wiener`` 27.59 dB; 15-pixel horizontal motion with noise
   7.65: 23.58 dB (10 iterations) / 24.74 dB (balance 0.1) / 23.90 dB;
@@ -407,9 +407,9 @@ def shapes(size: int, seed: int) -> np.ndarray:
 #
 # Protocol: grey images; y = conv(x, psf) with a symmetric border (``numpy.pad`` mode
 # ``"symmetric"``: the edge pixel repeated, d c b a | a b c d), then ``add_noise`` (seed = image
-# index). The PSFs of the benchmark come from ``kdeq.psf`` (``bench/quality.py``); the
+# index). The PSFs of the benchmark come from ``kdeq.maths.psf`` (``bench/quality.py``); the
 # ``*_reference`` functions below are independent copies of the same formulas, used when
-# ``kdeq.psf`` is absent and to check it when present.
+# ``kdeq.maths.psf`` is absent and to check it when present.
 
 
 def gaussian_psf_reference(sigma: float) -> np.ndarray:

@@ -45,8 +45,8 @@ from quality import (
     to_tensor,
 )
 
-from kdeq import netprecision
-from kdeq.repository import load_predictor
+from kdeq.models.repository import load_predictor
+from kdeq.runtime import netprecision
 from kdeq.train.data import stroke_mask
 
 
@@ -168,7 +168,7 @@ def main() -> None:
         "--network-precision",
         choices=["auto", *netprecision.DTYPES],
         default="auto",
-        help="the guide networks' arithmetic (kdeq.netprecision; default: measured)",
+        help="the guide networks' arithmetic (kdeq.runtime.netprecision; default: measured)",
     )
     args = parser.parse_args()
     netprecision.choice.pin(args.network_precision)

@@ -24,12 +24,12 @@ Sections, in the order they run (``--sections`` picks some, in this order):
 - ``service``: a real ``python -m service`` on ``cuda:0`` serving the default denoiser, 32 clients
   posting 256² PNGs for ``--seconds``, with batching off (``KDEQ_MAX_BATCH_SIZE=1``) and on
   (``KDEQ_MAX_BATCH_SIZE=32``), and the ratio (target ≥ 5×).
-- ``backends``: the zero-border convolution backends of ``kdeq.backends`` on the GPU, each ÷ ``padded``
-  (what the GPU uses), with cuDNN's heuristics and with ``cudnn.benchmark``.
+- ``backends``: the zero-border convolution backends of ``kdeq.runtime.backends`` on the GPU, each ÷
+  ``padded`` (what the GPU uses), with cuDNN's heuristics and with ``cudnn.benchmark``.
 - ``gathers``: the guided kernel's weights and ``K x`` an offset at a time against by gathers
-  (``kdeq.adaptive.GATHER_PIXELS`` chooses between them), same run, for the default denoiser.
+  (``kdeq.maths.adaptive.GATHER_PIXELS`` chooses between them), same run, for the default denoiser.
 - ``netprecision``: the default denoiser with its guide network in float32 and in bfloat16
-  (``kdeq.netprecision``), time and the output's largest difference and PSNR, same run, and each
+  (``kdeq.runtime.netprecision``), time and the output's largest difference and PSNR, same run, and each
   ÷ the bfloat16 peer.
 
 Times are medians of ``--repeat`` runs after a warm-up, each ended by ``torch.cuda.synchronize``; a
@@ -65,10 +65,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from load import drive, free_port, images, multipart, start_server  # noqa: E402
 
-from kdeq import backends, graphs  # noqa: E402
 from kdeq.cli import test_image  # noqa: E402
-from kdeq.precision import ieee_float32  # noqa: E402
-from kdeq.repository import default_models_dir, load_predictor  # noqa: E402
+from kdeq.maths import graphs  # noqa: E402
+from kdeq.maths.precision import ieee_float32  # noqa: E402
+from kdeq.models.repository import default_models_dir, load_predictor  # noqa: E402
+from kdeq.runtime import backends  # noqa: E402
 from tests.helpers import predict_arguments  # noqa: E402
 
 SIGMA = 25.0
@@ -341,7 +342,7 @@ def section_cpu(args: argparse.Namespace, out: list[str], rates: dict) -> None:
 
 def section_profile(args: argparse.Namespace, out: list[str], rates: dict) -> None:
     """The default denoiser at 256², batch 1 and 32, its solver's steps one at a time and replayed as
-    CUDA graphs (``kdeq.graphs``, off by default until measured), each first timed (median wall seconds
+    CUDA graphs (``kdeq.maths.graphs``, off by default until measured), each first timed (median wall seconds
     per solve, unprofiled), then ``PROFILED_SOLVES`` solves under ``torch.profiler`` (``summarise``):
     launches and GPU events per solve, and the GPU-busy fraction, the device's busy µs per solve ÷ the
     unprofiled wall µs per solve (the profiler's own host overhead would lower a profiled wall's
@@ -446,7 +447,7 @@ def section_service(args: argparse.Namespace, out: list[str], rates: dict) -> No
 
 
 def section_backends(args: argparse.Namespace, out: list[str], rates: dict) -> None:
-    """Each zero-border convolution backend (``kdeq.backends``) on ``cuda:0``, against ``padded`` —
+    """Each zero-border convolution backend (``kdeq.runtime.backends``) on ``cuda:0``, against ``padded`` —
     what ``conv_zeros`` uses off the CPU — with cuDNN's heuristics (torch's default) and with
     ``cudnn.benchmark``."""
     out += [
@@ -479,12 +480,12 @@ def section_backends(args: argparse.Namespace, out: list[str], rates: dict) -> N
 
 
 def section_gathers(args: argparse.Namespace, out: list[str], rates: dict) -> None:
-    """The guided kernel's two paths (``kdeq.adaptive``) on the default denoiser, same run: an offset
+    """The guided kernel's two paths (``kdeq.maths.adaptive``) on the default denoiser, same run: an offset
     at a time against groups by gathers, whatever ``GATHER_PIXELS`` would choose, each timed twice
     alternately (the better median counts), with kernel launches per solve."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kdeq import adaptive
+    from kdeq.maths import adaptive
 
     folder = default_folder()
     model = load_predictor(folder, "cuda:0")
@@ -524,11 +525,11 @@ def section_gathers(args: argparse.Namespace, out: list[str], rates: dict) -> No
 def section_netprecision(
     args: argparse.Namespace, out: list[str], rates: dict, device: str = "cuda:0"
 ) -> None:
-    """The default denoiser with its guide network in float32 and in bfloat16 (``kdeq.netprecision``,
+    """The default denoiser with its guide network in float32 and in bfloat16 (``kdeq.runtime.netprecision``,
     pinned each way), same run: time per batch, and how far bfloat16 moves the output (largest
     difference, PSNR against the clean test image). Off the CPU the choice is float32: these figures
     are what it rests on."""
-    from kdeq import netprecision
+    from kdeq.runtime import netprecision
 
     folder = default_folder()
     model = load_predictor(folder, device)

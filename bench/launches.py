@@ -5,19 +5,19 @@ source lines they come from (issue 55: the glue around the fused kernels and the
         [--top 25] [--graphs] [--compare]
 
 A model is loaded on the CPU and run as a CUDA device would run it (``emulated_cuda``): the guided
-kernel's loops go to ``kdeq.fused`` (``auto``'s choice on CUDA) rather than ``kdeq.native``, the blurs
-take their GPU branch (``gpu_blur``), and with ``--graphs`` the solver's steps run in ``kdeq.graphs``'
-chunks (``replaying_on_cpu``). One ``predict`` warms the caches (the fused module's index tensors, the
-chunks' static copies: a GPU's first request), then one is counted:
+kernel's loops go to ``kdeq.maths.fused`` (``auto``'s choice on CUDA) rather than ``kdeq.runtime.native``,
+the blurs take their GPU branch (``gpu_blur``), and with ``--graphs`` the solver's steps run in
+``kdeq.maths.graphs``' chunks (``replaying_on_cpu``). One ``predict`` warms the caches (the fused
+module's index tensors, the chunks' static copies: a GPU's first request), then one is counted:
 
 - **aten**: every outermost ``aten`` operation that makes a kernel, from ``torch.profiler``'s events.
   ``NO_KERNEL`` lists those that make none (views, reshapes, allocations, dispatch wrappers such as
   ``aten::to`` or ``aten::contiguous``, host reads); an operation is counted when it is not in that list
   and no operation above it is (``contiguous`` of a strided tensor is counted as its ``clone``).
   ``aten::lift_fresh`` is counted: it is a tensor made from host data, a host-to-device copy on a GPU.
-- **fused**: each launch of a ``kdeq.fused`` kernel. Its glue (index tensors, output buffers) runs as
-  on a GPU; only the kernel itself is replaced by an equivalent computation (``kdeq.native``'s loops, or
-  torch's for the patch sums) whose operations are not counted. Triton's interpreter is not run.
+- **fused**: each launch of a ``kdeq.maths.fused`` kernel. Its glue (index tensors, output buffers) runs as
+  on a GPU; only the kernel itself is replaced by an equivalent computation (``kdeq.runtime.native``'s
+  loops, or torch's for the patch sums) whose operations are not counted. Triton's interpreter is not run.
 - **graph**: each replay of a captured chunk of solver steps; the steps' own operations (fused launches
   included) are not counted, being inside the graph (they are listed as ``in graphs``). The copies into
   and out of the chunks' buffers and the done flag's read are glue, counted.
@@ -52,9 +52,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kdeq import adaptive, filters, fused, graphs, native
 from kdeq.cli import test_image
-from kdeq.repository import default_models_dir, load_predictor
+from kdeq.maths import adaptive, filters, fused, graphs
+from kdeq.models.repository import default_models_dir, load_predictor
+from kdeq.runtime import native
 
 #: aten operations that launch no kernel themselves: views and metadata, allocations without a fill,
 #: dispatch wrappers whose kernels are their children (counted there), host reads (``SYNCS``)
@@ -136,8 +137,8 @@ def _source(skip: tuple[str, ...] = ()) -> str:
     frame = sys._getframe(1)
     while frame is not None:
         path = Path(frame.f_code.co_filename)
-        if path.parent == KDEQ and path.name not in skip:
-            return f"kdeq/{path.name}:{frame.f_lineno} {frame.f_code.co_name}"
+        if KDEQ in path.parents and path.name not in skip:
+            return f"kdeq/{path.relative_to(KDEQ).as_posix()}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "(outside kdeq)"
 
@@ -179,8 +180,8 @@ class Count:
         return out
 
 
-# The fused kernels' work, done here by kdeq.native's loops (torch's for the patch sums) on the same
-# buffers: the arguments are those kdeq.fused passes to the Triton kernels.
+# The fused kernels' work, done here by kdeq.runtime.native's loops (torch's for the patch sums) on the same
+# buffers: the arguments are those kdeq.maths.fused passes to the Triton kernels.
 
 
 def _offsets(oa: torch.Tensor, ob: torch.Tensor) -> list[tuple[int, int]]:
@@ -199,7 +200,7 @@ def _weights(padded, sizes, inv, taps, oa, ob, out, *_, DIST, **__):
 
 
 def _pairs(wgt, idx, oa, ob, scale, x, out, best, *_, POWER, HAS_BEST, **__):
-    """``fused._pairs_kernel``: ``kdeq.native.pairs`` of the same arguments."""
+    """``fused._pairs_kernel``: ``kdeq.runtime.native.pairs`` of the same arguments."""
     native.pairs(
         wgt, idx.tolist(), _offsets(oa, ob), scale.tolist(), POWER, x, out, best if HAS_BEST else None
     )
@@ -286,7 +287,7 @@ def emulated_cuda(rec: _Recorder, replay: bool = True) -> Iterator[None]:
 
     saved = (fused._kernels, fused.enabled, native.enabled, graphs._chunk, graphs._warm_up)
     fused._kernels, fused.enabled = (lambda: kernels), _enabled
-    native.enabled = lambda *tensors: False  # kdeq.native's loops are the CPU's
+    native.enabled = lambda *tensors: False  # kdeq.runtime.native's loops are the CPU's
     graphs._chunk, graphs._warm_up = replayed, warmed
     try:
         with graphs.replaying_on_cpu() if replay else contextlib.nullcontext(), gpu_blur():
@@ -310,7 +311,7 @@ def gpu_blur() -> Iterator[None]:
 
 @contextlib.contextmanager
 def emulated_before() -> Iterator[None]:
-    """Within it the CPU runs the guided kernel as a CUDA device ran it before ``kdeq.fused``: torch's
+    """Within it the CPU runs the guided kernel as a CUDA device ran it before ``kdeq.maths.fused``: torch's
     loops, made and applied by gathers where a GPU gathers (``adaptive.GATHER_PIXELS``), the solver's
     steps one at a time; every operation counts (the baseline of ``--compare``)."""
     saved = (fused.enabled, native.enabled, adaptive._gathers)

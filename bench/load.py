@@ -49,9 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from kdeq import heap  # noqa: E402
 from kdeq.cli import test_image  # noqa: E402
-from kdeq.repository import find_reference, load_predictor  # noqa: E402
+from kdeq.models.repository import find_reference, load_predictor  # noqa: E402
+from kdeq.runtime import heap  # noqa: E402
 from service.decode import decode_image  # noqa: E402
 from service.encode import encode_png  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The noise-level estimates (``kdeq.noise``) against the truth: the Haar estimate and the one
+"""The noise-level estimates (``kdeq.maths.noise``) against the truth: the Haar estimate and the one
 ``estimate_sigma`` gives, side by side, in one run; with ``--jpeg``, blind denoising of JPEG inputs.
 
     .venv-bench/bin/python bench/noise.py [--sets Set12 BSD68 CBSD68 Kodak24] [--sigmas 5 15 25 50]
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
 
-from kdeq.noise import estimate_noise, estimate_sigma, haar_sigma, plain_sigma
+from kdeq.maths.noise import estimate_noise, estimate_sigma, haar_sigma, plain_sigma
 
 DENOISER = Path(__file__).resolve().parent.parent / "models" / "denoise-kglm" / "8"
 
@@ -68,7 +68,7 @@ def jpeg_round_trip(image: np.ndarray, quality: int | None) -> np.ndarray:
 
 def jpeg_table(args: argparse.Namespace) -> None:
     """The ``--jpeg`` protocol (module docstring)."""
-    from kdeq.repository import load_predictor
+    from kdeq.models.repository import load_predictor
 
     model = load_predictor(DENOISER)
     print(f"model {model.name}, central {args.crop}² crops of the first {args.images} images")

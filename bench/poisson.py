@@ -15,7 +15,8 @@ against ``x``. The methods:
   99.9th percentile (so that its noise is ``σ = 1/(a(P) − a(0))`` on [0, 1]), denoised at that ``σ``
   by scikit-image's non-local means, by BM3D (``bench/baselines.py``, their defaults) and by kdeq's
   Gaussian default ``denoise-kglm`` (each version), then mapped back by the closed-form
-  approximation of the exact unbiased inverse (Mäkitalo & Foi 2011, ``kdeq.photon.inverse_anscombe``).
+  approximation of the exact unbiased inverse (Mäkitalo & Foi 2011,
+  ``kdeq.predictors.photon.inverse_anscombe``).
 
 Reported per set and peak: mean PSNR (dB), mean seconds per image, and for kdeq's models the mean
 iterations and whether every solve converged. Needs ``../shared/data`` and the benchmark environment
@@ -39,9 +40,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
 
-from kdeq.photon import ANSCOMBE_ZERO, GUIDE_QUANTILE, anscombe, inverse_anscombe
-from kdeq.repository import default_models_dir, find_reference, list_models, load_predictor
-from kdeq.tasks import TASKS, Request, solve_batch
+from kdeq.models.repository import default_models_dir, find_reference, list_models, load_predictor
+from kdeq.predictors.photon import ANSCOMBE_ZERO, GUIDE_QUANTILE, anscombe, inverse_anscombe
+from kdeq.registry import TASKS
+from kdeq.tasks.base import Request, solve_batch
 
 
 def counts(clean: np.ndarray, peak: float, index: int) -> np.ndarray:

@@ -8,7 +8,7 @@ with seed = image index (+ ``--seed``), not clipped; PSNR on the clipped output;
 random masks from ``default_rng(index)``. Deblurring blurs with a symmetric border
 before the noise; super-resolution downsamples MATLAB-style bicubic, no noise, and
 scores Y of YCbCr (colour) with a ``scale``-pixel border cropped. The PSFs and the
-bicubic downsampling are kdeq's (``kdeq.psf``, ``kdeq.operators``) when they exist,
+bicubic downsampling are kdeq's (``kdeq.maths.psf``, ``kdeq.maths.operators``) when they exist,
 else the references in ``bench/baselines.py`` (``--reference-ops`` forces those).
 A model missing from the repository (``deblur-kglm``, ``super-resolve-kglm``) is
 skipped with a note. Every method runs in this process on
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
 
-from kdeq.repository import default_models_dir, find_model, load_predictor
+from kdeq.models.repository import default_models_dir, find_model, load_predictor
 
 
 def to_tensor(img: np.ndarray) -> torch.Tensor:
@@ -239,8 +239,8 @@ DEBLUR_SIGMAS = (2.55, 7.65)
 def deblur_psfs(reference: bool) -> tuple[dict[str, np.ndarray], str]:
     """The benchmark PSFs by label (float64) and where they came from.
 
-    ``kdeq.psf``'s ``gaussian_psf(1.6)`` and ``motion_psf(15, 0)`` (in float64), checked against
-    ``bench/baselines.py``'s references; the references when ``kdeq.psf`` cannot be imported or
+    ``kdeq.maths.psf``'s ``gaussian_psf(1.6)`` and ``motion_psf(15, 0)`` (in float64), checked against
+    ``bench/baselines.py``'s references; the references when ``kdeq.maths.psf`` cannot be imported or
     ``reference`` is set.
     """
     refs = {
@@ -250,10 +250,12 @@ def deblur_psfs(reference: bool) -> tuple[dict[str, np.ndarray], str]:
     if reference:
         return refs, "bench/baselines.py references (--reference-ops)"
     try:
-        from kdeq.psf import gaussian_psf, motion_psf
+        from kdeq.maths.psf import gaussian_psf, motion_psf
     except ImportError as exc:
-        print(f"note: kdeq.psf unavailable ({exc}); using bench/baselines.py's reference PSFs", flush=True)
-        return refs, "bench/baselines.py references (no kdeq.psf)"
+        print(
+            f"note: kdeq.maths.psf unavailable ({exc}); using bench/baselines.py's reference PSFs", flush=True
+        )
+        return refs, "bench/baselines.py references (no kdeq.maths.psf)"
     psfs = {
         label: as_float64(
             gaussian_psf(p, dtype=torch.float64)
@@ -266,8 +268,10 @@ def deblur_psfs(reference: bool) -> tuple[dict[str, np.ndarray], str]:
         ref = refs[label]
         diff = float(np.abs(psf - ref).max()) if psf.shape == ref.shape else float("inf")
         flag = "" if diff < 1e-6 else "  WARNING: differs from the protocol's formula"
-        print(f"kdeq.psf {label}: {psf.shape}, sum {psf.sum():.6f}, max |Δ| vs reference {diff:.1e}{flag}")
-    return psfs, "kdeq.psf"
+        print(
+            f"kdeq.maths.psf {label}: {psf.shape}, sum {psf.sum():.6f}, max |Δ| vs reference {diff:.1e}{flag}"
+        )
+    return psfs, "kdeq.maths.psf"
 
 
 def score_runs(
@@ -400,8 +404,9 @@ SR_SCALES = (2, 3, 4)
 
 def kdeq_downsample(hr: np.ndarray, scale: int) -> np.ndarray:
     """kdeq's super-resolution degradation of an ``H×W`` or ``H×W×C`` image (sides multiples of
-    ``scale``): ``kdeq.tasks.super_resolve.degrade`` (the model's forward operator ``S H``), in float64."""
-    from kdeq.tasks.super_resolve import degrade
+    ``scale``): ``kdeq.predictors.super_resolve.degrade`` (the model's forward operator ``S H``), in
+    float64."""
+    from kdeq.predictors.super_resolve import degrade
 
     x = torch.from_numpy(np.asarray(hr, dtype=np.float64))
     with torch.no_grad():
@@ -410,17 +415,17 @@ def kdeq_downsample(hr: np.ndarray, scale: int) -> np.ndarray:
 
 def downsampler(reference: bool) -> tuple[Callable[[np.ndarray, int], np.ndarray], str]:
     """The super-resolution degradation ``(hr, scale) -> lr`` and where it comes from: kdeq's when
-    ``kdeq.psf.bicubic_taps`` and ``kdeq.operators.BlurSubsample`` import, else (or with
+    ``kdeq.maths.psf.bicubic_taps`` and ``kdeq.maths.operators.BlurSubsample`` import, else (or with
     ``reference``) ``B.bicubic_downsample``."""
     if reference:
         return B.bicubic_downsample, "bench/baselines.py reference (--reference-ops)"
     try:
-        from kdeq.operators import BlurSubsample  # noqa: F401
-        from kdeq.psf import bicubic_taps  # noqa: F401
+        from kdeq.maths.operators import BlurSubsample  # noqa: F401
+        from kdeq.maths.psf import bicubic_taps  # noqa: F401
     except ImportError as exc:
         print(f"note: kdeq bicubic downsampling unavailable ({exc}); using bench/baselines.py's", flush=True)
-        return B.bicubic_downsample, "bench/baselines.py reference (no kdeq.operators / kdeq.psf)"
-    return kdeq_downsample, "kdeq.psf.bicubic_taps + kdeq.operators.BlurSubsample"
+        return B.bicubic_downsample, "bench/baselines.py reference (no kdeq.maths.operators / kdeq.maths.psf)"
+    return kdeq_downsample, "kdeq.maths.psf.bicubic_taps + kdeq.maths.operators.BlurSubsample"
 
 
 def super_resolve_section(models: dict, args: argparse.Namespace, tables: list[Table]) -> None:

@@ -15,7 +15,7 @@ same inputs (seconds per image at the process's torch and OpenMP threads):
   estimated there by ``skimage.restoration.estimate_sigma`` (the median has changed the noise);
   ``σ given`` instead passes the nominal ``σ``;
 - ``denoise-kglm:2``, the default model, ``σ`` estimated by the model (what a user gets) and given;
-- ``robust``: ``kdeq.robust.RobustDenoiser`` on that model's kernel, ``σ`` estimated
+- ``robust``: ``kdeq.predictors.robust.RobustDenoiser`` on that model's kernel, ``σ`` estimated
   (``robust_sigma``) and given; and, unless ``--no-variants``, its ablations (``σ`` estimated):
   ``mask only`` (``γ = 10⁻⁶``: the unobserved pixels weighted 0, every other one 1), ``every end
   pixel unobserved`` (``κₑ = 0``), ``on denoise-kglm:1`` (the guided kernel without the network),
@@ -42,8 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
 
-from kdeq.repository import default_models_dir, find_model, load_predictor
-from kdeq.robust import RobustDenoiser
+from kdeq.models.repository import default_models_dir, find_model, load_predictor
+from kdeq.predictors.robust import RobustDenoiser
 
 
 def corrupt(img: np.ndarray, sigma255: float, rate: float, seed: int, clip: bool = False) -> np.ndarray:

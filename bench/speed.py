@@ -9,11 +9,11 @@ Sections (all by default; each prints a Markdown table):
   512²) and colour (top-left crops of Kodak24), σ = 25 noise seeded per image, σ given to every
   method; kdeq's default denoiser also with σ estimated, and each ``--compare`` model, with the guide
   networks in each ``--network-precision`` (default ``float32``, then ``auto``: the measured choice,
-  ``kdeq.netprecision``) and the guided kernel's loops by each ``--guided-backend`` (default
-  ``auto``: compiled where a C compiler builds them, ``kdeq.native``). Baselines from
+  ``kdeq.runtime.netprecision``) and the guided kernel's loops by each ``--guided-backend`` (default
+  ``auto``: compiled where a C compiler builds them, ``kdeq.runtime.native``). Baselines from
   ``bench/baselines.py`` (scikit-image and OpenCV non-local means, PyPI ``bm3d``), run in this
   process on the same inputs.
-- ``linear``: the linear Gaussian model's solve (``kdeq.linear``) ÷ one forward + inverse
+- ``linear``: the linear Gaussian model's solve (``kdeq.maths.linear``) ÷ one forward + inverse
   transform of the same size, for the DCT path (symmetric border), preconditioned CG (zero
   border) and the generic CG on the fixed-point map that both replace.
 - ``memory``: peak resident memory of the solve per megapixel of the default (guided) denoiser, each
@@ -21,12 +21,12 @@ Sections (all by default; each prints a Markdown table):
   budget and a 128 MiB one.
 - ``warmstart``: the segmenter (Bernoulli, Anderson) from ``σ(0)`` against a start from its
   linearised equilibrium, on generated shapes with additive noise.
-- ``backends``: each zero-border convolution backend (``kdeq.backends``) on the filter shapes of the
+- ``backends``: each zero-border convolution backend (``kdeq.runtime.backends``) on the filter shapes of the
   shipped conv models at 256² and 512², one image and eight, and the models' solves with the
   backend pinned to ``padded`` (torch's own) against the measured choice, on one Set12-like
   generated image with σ = 25 noise (segment: its binarised shapes).
 - ``loops``: the guided kernel's steps (its weight maps, ``K x`` and both non-local means) by
-  torch's operations and compiled (``kdeq.native``), on a generated grey and colour guide of 256² and
+  torch's operations and compiled (``kdeq.runtime.native``), on a generated grey and colour guide of 256² and
   512² with σ = 25 noise, with the default denoiser's kernel, on one thread and on torch's default
   threads: time and the largest relative difference of the two.
 - ``cli``: ``kdeq denoise`` on ``--cli-images`` generated 256² noisy images (σ = 25, given) in one
@@ -38,18 +38,18 @@ Sections (all by default; each prints a Markdown table):
   256² missing), segmenter (the Otsu mask, 5 % flipped, σ = 50 noise), impulse denoiser (σ = 25
   noise and 10 % salt and pepper), photon denoiser (Poisson counts, 30 for white) and
   super-resolver (×2; ``--tiling-tasks`` picks among them) on Kodak24 photo mosaics
-  from 1.6 to 25 megapixels: tiled (``kdeq.tiling``) against untiled in process (time, PSNR or IoU,
+  from 1.6 to 25 megapixels: tiled (``kdeq.serving.tiling``) against untiled in process (time, PSNR or IoU,
   largest difference) where both fit, then ``kdeq TASK`` on each mosaic's PNG in a fresh process: its
   peak resident memory and time.
 
 - ``png``: the default denoiser's outputs on the ``models`` images written as PNG by Pillow at
-  zlib level 1 (the service's and CLI's writer before ``kdeq.png``) and by ``kdeq.png``, same run:
-  time and size.
+  zlib level 1 (the service's and CLI's writer before ``kdeq.images.png``) and by ``kdeq.images.png``, same
+  run: time and size.
 
 GPU figures come from ``bench/gpu.sh`` (``bench/gpu.py``), which runs the CUDA suite first.
 
 Times are the best of ``--repeat`` runs after a warm-up, with torch's default threads, and the C heap
-as the ``kdeq`` command and the service configure it (``kdeq.heap``; ``KDEQ_MALLOC=system`` leaves
+as the ``kdeq`` command and the service configure it (``kdeq.runtime.heap``; ``KDEQ_MALLOC=system`` leaves
 glibc's own thresholds). Needs
 ``../shared/data`` for the ``models`` section and the benchmark environment (scikit-image,
 opencv-python-headless, bm3d); they are benchmark references only, never dependencies of kdeq.
@@ -73,16 +73,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kdeq import heap, native, netprecision  # noqa: E402
-from kdeq.checkpoint import load_checkpoint  # noqa: E402
-from kdeq.deq import KGLMDEQ  # noqa: E402
-from kdeq.families import Gaussian  # noqa: E402
-from kdeq.implicit import equilibrium  # noqa: E402
-from kdeq.kglm import conv_deq  # noqa: E402
-from kdeq.linear import solve_affine  # noqa: E402
-from kdeq.priors import GaussianPrior  # noqa: E402
-from kdeq.repository import default_models_dir, find_model, find_reference, load_predictor  # noqa: E402
-from kdeq.transforms import dct2, idct2  # noqa: E402
+from kdeq.maths.deq import KGLMDEQ  # noqa: E402
+from kdeq.maths.families import Gaussian  # noqa: E402
+from kdeq.maths.implicit import equilibrium  # noqa: E402
+from kdeq.maths.kglm import conv_deq  # noqa: E402
+from kdeq.maths.linear import solve_affine  # noqa: E402
+from kdeq.maths.priors import GaussianPrior  # noqa: E402
+from kdeq.maths.transforms import dct2, idct2  # noqa: E402
+from kdeq.models.checkpoint import load_checkpoint  # noqa: E402
+from kdeq.models.repository import default_models_dir, find_model, find_reference, load_predictor  # noqa: E402
+from kdeq.runtime import heap, native, netprecision  # noqa: E402
 
 SIGMA = 25.0
 #: the photon counts of white in the tiling section
@@ -117,7 +117,7 @@ def denoised(
 ) -> np.ndarray:
     """``predictor``'s output for a ``test_sets`` image with noise, ``(H, W)`` or ``(H, W, c)`` in
     [0, 1] like it; σ given where ``known``, the guide network in ``precision``, the guided kernel's
-    loops by ``guided`` (``kdeq.native``)."""
+    loops by ``guided`` (``kdeq.runtime.native``)."""
     x = torch.from_numpy(noisy.astype(np.float32))
     x = x[None, None] if x.dim() == 2 else x.permute(2, 0, 1)[None]
     with netprecision.choice.force(precision), native.choice.force(guided):
@@ -173,7 +173,7 @@ def section_models(args: argparse.Namespace) -> None:
             vs_bm3d = f"{sec / bm3d:.3f}" if bm3d else "–"
             print(f"| {label} ({len(noisy)}) | {name} | {sec:.3f} | {q:.2f} | {sec / nlm:.2f} | {vs_bm3d} |")
     choices = ", ".join(sorted(set(netprecision.choice.chosen().values()))) or "-"
-    print(f"\nThe guide networks' measured precision (`auto`, kdeq.netprecision): {choices}")
+    print(f"\nThe guide networks' measured precision (`auto`, kdeq.runtime.netprecision): {choices}")
 
 
 def section_linear(args: argparse.Namespace) -> None:
@@ -235,7 +235,7 @@ def _linear_rows(
 MEMORY_PROBE = """
 import sys, time, torch
 from pathlib import Path
-from kdeq.repository import default_models_dir, find_model, load_predictor
+from kdeq.models.repository import default_models_dir, find_model, load_predictor
 
 def status(field):
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field))
@@ -304,7 +304,7 @@ def section_cli(args: argparse.Namespace) -> None:
     import tempfile
 
     from kdeq.cli import test_image
-    from kdeq.imageio import read_image, write_png
+    from kdeq.images.imageio import read_image, write_png
 
     model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cpu")
     count = args.cli_images
@@ -357,11 +357,11 @@ def section_cli(args: argparse.Namespace) -> None:
 
 
 def section_backends(args: argparse.Namespace) -> None:
-    from kdeq import backends
     from kdeq.cli import test_image
+    from kdeq.runtime import backends
 
     print("\n### Zero-border convolution backends: ms per call (median of 3 after a warm-up)\n")
-    print("`fft` is timed only where `kdeq.backends.candidates` would time it.\n")
+    print("`fft` is timed only where `kdeq.runtime.backends.candidates` would time it.\n")
     print("| filter bank | input | padded | prepadded | fft | measured choice |")
     print("|---|---|---|---|---|---|")
     banks = [(1, 1, 11, 11), (1, 1, 9, 9), (1, 1, 17, 17), (3, 3, 11, 11), (1, 1, 3, 3)]
@@ -424,7 +424,7 @@ def _loop_steps(
     """The guided kernel's steps on ``guide``: best seconds of ``repeat`` and the output. The weight maps
     first, written again into the buffer a solve keeps (``adaptive.KEPT_BYTES``) as a solve does; then
     ``K x`` and both non-local means on a copy, with the operator's own maps."""
-    from kdeq.adaptive import GuidedOperator, apply_weights, guided_weights
+    from kdeq.maths.adaptive import GuidedOperator, apply_weights, guided_weights
 
     seconds = best_time(lambda: guided_weights(guide, spatial, p, h2), repeat)
     weights = guided_weights(guide, spatial, p, h2).clone()
@@ -446,8 +446,8 @@ def section_loops(args: argparse.Namespace) -> None:
     kern = default.config.architecture.kernel
     spatial, p = kern.spatial.filter(), kern.patch_radius
     print(
-        f"\n### The guided kernel's loops: ms per call, torch's ÷ compiled (`kdeq.native`), the default "
-        f"denoiser's kernel (R = {kern.spatial.radius}, p = {p}), κ = 3, best of {args.repeat}\n"
+        f"\n### The guided kernel's loops: ms per call, torch's ÷ compiled (`kdeq.runtime.native`), the "
+        f"default denoiser's kernel (R = {kern.spatial.radius}, p = {p}), κ = 3, best of {args.repeat}\n"
     )
     print("| guide | threads | step | torch's loops | compiled | ratio | max relative difference |")
     print("|---|---|---|---|---|---|---|")
@@ -480,7 +480,7 @@ def mosaic(rows: int, cols: int) -> torch.Tensor:
     """A ``(3, 512·rows, 768·cols)`` colour photo mosaic of Kodak24 (portrait images turned), in order."""
     import baselines as B
 
-    from kdeq.imageio import read_image
+    from kdeq.images.imageio import read_image
 
     kodak = sorted((B.DATA / "Kodak24").glob("*.png"))
     parts = [read_image(p)[0] for p in kodak]
@@ -521,8 +521,9 @@ def section_tiling(args: argparse.Namespace) -> None:
     impulse denoiser's (σ = 25 noise and 10 % salt and pepper, σ estimated), the default photon
     denoiser's (Poisson counts, ``PEAK`` for white, given) and the default super-resolver's (×2 from
     the mosaic's bicubic reduction): ``--tiling-tasks``."""
-    from kdeq.tasks import TASKS
+    from kdeq.registry import TASKS
     from kdeq.train.data import binary_target
+    from kdeq.train.trainings import TRAININGS
 
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -558,7 +559,7 @@ def section_tiling(args: argparse.Namespace) -> None:
         return counts.numpy(), {}, {"image": counts / 255.0}, {"target": clean[None]}
 
     def small(clean: torch.Tensor) -> Corrupted:
-        from kdeq.tasks.super_resolve import degrade
+        from kdeq.predictors.super_resolve import degrade
 
         low = degrade(clean[None], 2)[0].clamp(0, 1)
         return low.numpy(), {}, {"image": low}, {"target": clean[None], "scale": torch.tensor([2])}
@@ -582,23 +583,24 @@ def section_tiling(args: argparse.Namespace) -> None:
         "super-resolve": (small, "×2 from their bicubic reduction (sizes are the outputs')", {}, []),
     }
     for name in args.tiling_tasks:
-        _tiling_rows(TASKS[name], *rows[name])
+        # a task without a training (denoise-impulse) is scored as the denoiser: PSNR against the clean image
+        _tiling_rows(TASKS[name], TRAININGS.get(name, TRAININGS["denoise"]), *rows[name])
 
 
-def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> None:
+def _tiling_rows(task, training, corrupt, what: str, options: dict, cli: list[str]) -> None:
     """``task``'s default model with ``options`` (``cli`` on the command line) on Kodak24 mosaics
     corrupted by ``corrupt(clean)`` (``Corrupted``): tiled against untiled in process, each scored
-    by ``task.score``, then through ``kdeq TASK`` in a fresh process per row (peak memory and time)."""
+    by ``training.score``, then through ``kdeq TASK`` in a fresh process per row (peak memory and time)."""
     import tempfile
 
-    from kdeq.imageio import write_png
-    from kdeq.tasks import solve_batch
-    from kdeq.tiling import TILE_SIZE, solve_tiled
+    from kdeq.images.imageio import write_png
+    from kdeq.serving.tiling import TILE_SIZE, solve_tiled
+    from kdeq.tasks.base import solve_batch
 
     model = load_predictor(find_model(default_models_dir(), f"{task.name}-kglm"), "cpu")
     halo = task.tile_halo(model)
     print(f"\n### Tiles: {model.name}, Kodak24 mosaics, {what}, tiles of {TILE_SIZE}, halo {halo}\n")
-    score = task.score_label
+    score = training.score_label
     print(f"In process, the same input tiled and untiled (seconds; {score}, the task's own score):\n")
     print(f"| image | untiled s | tiled s | tiled ÷ untiled | untiled {score} | tiled − untiled | max |Δ| |")
     print("|---|---|---|---|---|---|---|")
@@ -612,7 +614,7 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
         start = time.perf_counter()
         cut = solve_tiled(task, model, request, TILE_SIZE)
         tiled = time.perf_counter() - start
-        scores = [float(task.score(torch.from_numpy(r.output)[None], batch)) for r in (whole, cut)]
+        scores = [float(training.score(torch.from_numpy(r.output)[None], batch)) for r in (whole, cut)]
         print(
             f"| {clean.shape[-1]}×{clean.shape[-2]} ({clean[0].numel() / 1e6:.1f} MP) | {untiled:.1f} | "
             f"{tiled:.1f} | {tiled / untiled:.2f} | {scores[0]:.4f} | {scores[1] - scores[0]:+.4f} | "
@@ -649,18 +651,18 @@ def _tiling_rows(task, corrupt, what: str, options: dict, cli: list[str]) -> Non
 
 def section_png(args: argparse.Namespace) -> None:
     """The default denoiser's outputs (σ = 25 noise, given) on the models section's images, written as
-    PNG by Pillow at zlib level 1 (what the service and CLI did before ``kdeq.png``) and by
-    ``kdeq.png``, alternated in one loop: the better median time of each, and the file sizes."""
+    PNG by Pillow at zlib level 1 (what the service and CLI did before ``kdeq.images.png``) and by
+    ``kdeq.images.png``, alternated in one loop: the better median time of each, and the file sizes."""
     import io
 
     import baselines as B
     from PIL import Image
 
-    from kdeq import png
+    from kdeq.images import png
 
     model = load_predictor(find_model(default_models_dir(), "denoise-kglm"))
-    print(f"\n## PNG writing: Pillow (level 1) against kdeq.png, {model.name} outputs\n")
-    print("| images | Pillow ms | kdeq.png ms | ÷ Pillow | size ÷ Pillow |")
+    print(f"\n## PNG writing: Pillow (level 1) against kdeq.images.png, {model.name} outputs\n")
+    print("| images | Pillow ms | kdeq.images.png ms | ÷ Pillow | size ÷ Pillow |")
     print("|---|---|---|---|---|")
     for label, clean_set in test_sets(args.images).items():
         # the models section's noisy images, denoised: what a response or the CLI writes
@@ -718,14 +720,15 @@ def main() -> None:
         nargs="+",
         choices=["auto", *netprecision.DTYPES],
         default=["float32", "auto"],
-        help="the guide networks' arithmetic of the models section's kdeq rows (kdeq.netprecision), each",
+        help="the guide networks' arithmetic of the models section's kdeq rows (kdeq.runtime.netprecision), "
+        "each",
     )
     parser.add_argument(
         "--guided-backend",
         nargs="+",
         choices=["auto", *native.choice.options],
         default=["auto"],
-        help="the guided kernel's loops in the models section's kdeq rows (kdeq.native), each",
+        help="the guided kernel's loops in the models section's kdeq rows (kdeq.runtime.native), each",
     )
     parser.add_argument(
         "--tiling-tasks",

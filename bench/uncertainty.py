@@ -1,5 +1,5 @@
-"""Posterior standard-deviation maps (``kdeq.uncertainty``): what they cost per request and how well
-they cover the true error on real images, for every shipped model that has one.
+"""Posterior standard-deviation maps (``kdeq.predictors.uncertainty``): what they cost per request and how
+well they cover the true error on real images, for every shipped model that has one.
 
     .venv/bin/python bench/uncertainty.py [--crop 128] [--images 12] [--fit 12] [--cost-size 256]
         [--models NAME,…] [--skip-coverage] [--out FILE]
@@ -41,12 +41,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines as B
 
-from kdeq.predictor import Predictor
-from kdeq.psf import parse_psf
-from kdeq.repository import default_models_dir, load_predictor
-from kdeq.tasks import TASKS, Request, Solved, solve_batch
-from kdeq.tasks.super_resolve import degrade
-from kdeq.uncertainty import unsupported
+from kdeq.maths.psf import parse_psf
+from kdeq.models.repository import default_models_dir, load_predictor
+from kdeq.predictors.base import Predictor
+from kdeq.predictors.super_resolve import degrade
+from kdeq.predictors.uncertainty import unsupported
+from kdeq.registry import TASKS
+from kdeq.tasks.base import Request, Solved, solve_batch
 
 SIGMA = 25.0
 DEBLUR_SIGMA = 2.55

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from kdeq.train.config import TrainConfig
-from kdeq.train.loop import TASKS, evaluate, reproducible_arithmetic, validation_examples
+from kdeq.train.loop import evaluate, reproducible_arithmetic, validation_examples
 from kdeq.train.model import TrainableModel, start_tensors
+from kdeq.train.trainings import TRAININGS
 
 
 def scores(checkpoint: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -46,14 +47,14 @@ def scores(checkpoint: Path, args: argparse.Namespace) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoints", nargs="+", type=Path, metavar="CKPT")
-    parser.add_argument("--task", required=True, choices=sorted(TASKS))
+    parser.add_argument("--task", required=True, choices=sorted(TRAININGS))
     parser.add_argument("--val", nargs="+", required=True, metavar="DIR")
     parser.add_argument("--channels", type=int, choices=(1, 3), default=1)
     parser.add_argument("--val-limit", type=int, default=8)
     parser.add_argument("--val-crop", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    score = f"val_{TASKS[args.task].score_name}"
+    score = f"val_{TRAININGS[args.task].score_name}"
     with reproducible_arithmetic():
         rows = {c: scores(c, args) for c in args.checkpoints}
     levels = sorted(

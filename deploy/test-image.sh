@@ -117,7 +117,7 @@ echo "torch CUDA: $cuda; PYTORCH_ALLOC_CONF: $alloc"
 [ "$alloc" = expandable_segments:True ] || fail "the allocator setting is missing"
 # the warm-up solved with the default denoiser, so the guided kernel's loops were compiled, as the
 # image's user, into a cache it can write
-loops=$(podman exec kdeq-test /opt/kdeq/bin/python -c 'from kdeq import native; print(native.summary())')
+loops=$(podman exec kdeq-test /opt/kdeq/bin/python -c 'from kdeq.runtime import native; print(native.summary())')
 echo "guided loops: $loops"
 case "$loops" in "not built"*) fail "the guided kernel's loops were not compiled in the container" ;; esac
 families=$(curl -sS "http://127.0.0.1:$port/metrics" | grep -c '^# TYPE kdeq_')

@@ -2,7 +2,9 @@
 
 - ``docs/api.md`` from the service's OpenAPI document;
 - ``docs/configuration.md`` from ``service.settings.Settings``;
-- ``docs/dashboard.md`` from the Grafana dashboard and the Prometheus rules.
+- ``docs/dashboard.md`` from the Grafana dashboard and the Prometheus rules;
+- ``docs/client.md``'s table of methods from the registered tasks (the rest of that page is
+  hand-written).
 
     .venv/bin/python docs/generate.py        (tests/test_docs.py checks the committed pages are current)
 """
@@ -18,7 +20,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdeq.tasks import TASKS  # noqa: E402
+from kdeq.client import method_name  # noqa: E402
+from kdeq.registry import TASKS  # noqa: E402
 from service.app import create_app  # noqa: E402
 from service.metrics import INFERENCE_ROUTES  # noqa: E402
 from service.routes import Result  # noqa: E402
@@ -122,10 +125,10 @@ def api_page() -> str:
 
 
 def tasks_section() -> str:
-    """The registered tasks (``kdeq.tasks.TASKS``) as a table."""
+    """The registered tasks (``kdeq.registry.TASKS``) as a table."""
     out = [
         "\n## Tasks\n\n",
-        "One inference route per registered task (`kdeq.tasks.TASKS`); `kdeq TASK IN -o OUT` takes the "
+        "One inference route per registered task (`kdeq.registry.TASKS`); `kdeq TASK IN -o OUT` takes the "
         "same options as flags (`--name`, `_` written `-`) and the same file inputs.\n\n",
         "| task | route | family | options | file inputs | result fields | default model |\n",
         "|---|---|---|---|---|---|---|\n",
@@ -190,7 +193,30 @@ def dashboard_page() -> str:
     return "".join(out)
 
 
-PAGES = {"api.md": api_page, "configuration.md": configuration_page, "dashboard.md": dashboard_page}
+#: the header of docs/client.md's table of methods, which runs to the next blank line
+CLIENT_TABLE = "| method | request | options | file inputs |\n|---|---|---|---|\n"
+
+
+def client_page() -> str:
+    """docs/client.md with its table of methods rebuilt: one row per registered task, its method
+    (``kdeq.client.method_name``), route, options and file inputs."""
+    head, rest = (ROOT / "docs" / "client.md").read_text().split(CLIENT_TABLE, 1)
+    tail = rest.split("\n\n", 1)[1]
+    rows = []
+    for task in TASKS.values():
+        options = ", ".join(f"`{n}`" for n in task.options.model_fields)
+        files = ", ".join(f"`{f.name}`" for f in task.files)
+        cells = [f"`{method_name(task)}`", f"`POST {task.route}`", options, files]
+        rows.append("|" + "|".join(f" {c} " if c else " " for c in cells) + "|\n")
+    return head + CLIENT_TABLE + "".join(rows) + "\n" + tail
+
+
+PAGES = {
+    "api.md": api_page,
+    "configuration.md": configuration_page,
+    "dashboard.md": dashboard_page,
+    "client.md": client_page,
+}
 
 
 def main() -> None:

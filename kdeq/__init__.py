@@ -5,11 +5,11 @@ Gram matrices and filter banks, spectral norms, the kGLM → DEQ mapping, the
 fixed-point solvers with implicit gradients, and reference kGLM solvers.
 """
 
-from kdeq.conv import conv
-from kdeq.deq import KGLMDEQ, ConvMap, DenseMap, DEQOutput
-from kdeq.families import Bernoulli, Binomial, Family, Gaussian, Poisson, Spin, get_family
-from kdeq.implicit import equilibrium
-from kdeq.kernels import (
+from kdeq.maths.conv import conv
+from kdeq.maths.deq import KGLMDEQ, ConvMap, DenseMap, DEQOutput
+from kdeq.maths.families import Bernoulli, Binomial, Family, Gaussian, Poisson, Spin, get_family
+from kdeq.maths.implicit import equilibrium
+from kdeq.maths.kernels import (
     Coregional,
     Kernel,
     NotPSDError,
@@ -19,11 +19,11 @@ from kdeq.kernels import (
     require_psd,
     symbol_min_eigenvalue,
 )
-from kdeq.kglm import conv_deq, dense_deq
-from kdeq.priors import GaussianPrior, LogCoshPrior, Prior, get_prior, rho
-from kdeq.reference import kernel_ridge, newton_kglm
-from kdeq.solvers import SOLVERS, SolverConfig, SolverStats, solve
-from kdeq.spectral import (
+from kdeq.maths.kglm import conv_deq, dense_deq
+from kdeq.maths.priors import GaussianPrior, LogCoshPrior, Prior, get_prior, rho
+from kdeq.maths.reference import kernel_ridge, newton_kglm
+from kdeq.maths.solvers import SOLVERS, SolverConfig, SolverStats, solve
+from kdeq.maths.spectral import (
     circular_spectral_norm,
     conv_spectral_norm,
     dense_spectral_norm,

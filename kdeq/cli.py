@@ -1,16 +1,16 @@
 """The ``kdeq`` command line.
 
-- ``kdeq TASK IN [IN …] -o OUT`` for every registered task (``kdeq.tasks.TASKS``: denoise,
+- ``kdeq TASK IN [IN …] -o OUT`` for every registered task (``kdeq.registry.TASKS``: denoise,
   inpaint, …), with the task's options and file inputs as flags: run a repository model on image
-  files in one process, batched by size (``kdeq.batchrun``), and print the solver statistics of each
+  files in one process, batched by size (``kdeq.serving.batchrun``), and print the solver statistics of each
   and, for several, a summary; the exit status is 3 when a solve did not converge; a task's variants
-  (``kdeq.tasks.choice_of``) are asked for on its host's command too (``kdeq denoise --noise poisson``);
+  (``kdeq.registry.choice_of``) are asked for on its host's command too (``kdeq denoise --noise poisson``);
 - ``kdeq remote --url URL TASK IN [IN …] -o OUT``: the same, with the same task arguments, solved by a
   kdeq service over HTTP (``kdeq.client``; the API key from ``--api-key`` or ``KDEQ_API_KEY``);
 - ``kdeq models``: list the repository;
 - ``kdeq samples DIR``: write generated sample images to try the models on;
 - ``kdeq init SPEC.json`` / ``kdeq init --defaults``: write kGLM-initialised checkpoints;
-  ``kdeq init --prior DIR [SPEC.json]``: compose plug-and-play models (``kdeq.pnp``) around the
+  ``kdeq init --prior DIR [SPEC.json]``: compose plug-and-play models (``kdeq.maths.pnp``) around the
   denoiser checkpoint ``DIR`` (without SPEC files, the shipped ones);
 - ``kdeq train …``: fine-tune a checkpoint on images (``kdeq.train``); ``kdeq prune SRC --channels N``:
   cut a denoiser's guide network to its ``N`` most salient features, the start of a leaner model, and
@@ -18,14 +18,14 @@
   (``kdeq.train.prune``);
 - ``kdeq experiment init-compare …``: the paper's kGLM-vs-random initialisation experiment;
   ``kdeq experiment kerdeq …`` and ``kdeq experiment mondeq …``: the seeds' KerDEQ and monotone-DEQ
-  claims on scikit-learn's digits (``kdeq.train.exp_kerdeq``, ``kdeq.train.exp_mondeq``);
+  claims on scikit-learn's digits (``kdeq.research.exp_kerdeq``, ``kdeq.research.exp_mondeq``);
 - ``kdeq demo``: see below;
 - commands of other installed packages, registered under the ``kdeq.commands`` entry-point
   group (``kdeq serve`` comes from the ``service`` package, which ``kdeq`` never imports).
 
 Bad input (a file, a flag's value, a model) exits with status 2 and one line on standard error: no
 traceback, no usage, no pydantic dump. ``kdeq TASK`` checks every file's header before it decodes any,
-as the service does and with its words (``kdeq.imageio.load_image``): PNG, JPEG, WebP or TIFF, at most
+as the service does and with its words (``kdeq.images.imageio.load_image``): PNG, JPEG, WebP or TIFF, at most
 ``--max-pixels`` pixels, or ``--max-untiled-pixels`` for a model that does not solve in tiles (the
 service's ``KDEQ_MAX_PIXELS`` and ``KDEQ_MAX_UNTILED_PIXELS``, same defaults), one frame, at least
 2×2. On a terminal, work past a couple of seconds shows a progress line on standard error
@@ -59,11 +59,9 @@ import torch
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from kdeq import batchrun, heap, scaledpng
-from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint
 from kdeq.client import DEFAULT_RETRY_BUDGET, DEFAULT_TIMEOUT, Client, KdeqError, Result
-from kdeq.families import Gaussian
-from kdeq.imageio import (
+from kdeq.images import scaledpng
+from kdeq.images.imageio import (
     MAX_PIXELS,
     MAX_UNTILED_PIXELS,
     PIXEL_LIMITS,
@@ -73,16 +71,21 @@ from kdeq.imageio import (
     pixel_limit,
     write_png,
 )
-from kdeq.kernels import Kernel
-from kdeq.kglm import conv_deq
-from kdeq.noise import MAD_TO_STD
-from kdeq.predictor import SolverOverride
-from kdeq.priors import GaussianPrior
-from kdeq.repository import default_models_dir, find_reference, list_models, load_predictor
-from kdeq.solvers import SolverConfig
-from kdeq.tasks import TASKS, Solved, Task, choice_of
-from kdeq.tiling import TILE_SIZE
-from kdeq.uncertainty import POSTERIORS, unsupported
+from kdeq.maths.families import Gaussian
+from kdeq.maths.kernels import Kernel
+from kdeq.maths.kglm import conv_deq
+from kdeq.maths.noise import MAD_TO_STD
+from kdeq.maths.priors import GaussianPrior
+from kdeq.maths.solvers import SolverConfig
+from kdeq.models.checkpoint import CheckpointError, ModelSpec, load_checkpoint
+from kdeq.models.repository import default_models_dir, find_reference, list_models, load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.uncertainty import unsupported
+from kdeq.registry import TASKS, choice_of
+from kdeq.runtime import heap
+from kdeq.serving import batchrun
+from kdeq.serving.tiling import TILE_SIZE
+from kdeq.tasks.base import Solved, Task
 
 
 def test_image(size: int) -> torch.Tensor:
@@ -178,7 +181,7 @@ def add_task_command_arguments(
     parser.add_argument("--model", help=model_help)
     parser.add_argument("--tol", type=float, help="solver tolerance override")
     parser.add_argument("--max-iter", type=int, help="solver iteration cap override")
-    if task.name in POSTERIORS:
+    if task.predictor.has_posterior:
         parser.add_argument(
             "--uncertainty",
             metavar="OUT",
@@ -233,7 +236,7 @@ M = TypeVar("M", bound=BaseModel)
 
 #: the least noise level (0–255) the estimator resolves on 8-bit pixels: half a grey level, the
 #: smallest non-zero finest diagonal Haar coefficient ``|d|`` of integer pixels, over ``Φ⁻¹(3/4)``
-#: (``kdeq.noise``): ≈ 0.74. A grey image's estimate under it is exactly 0 (most of its flattest
+#: (``kdeq.maths.noise``): ≈ 0.74. A grey image's estimate under it is exactly 0 (most of its flattest
 #: coefficients are 0); a colour image's (the patch estimate, continuous) reads there noise too weak
 #: to tell from the rounding's own (1/√12 ≈ 0.29 grey levels): 0.40 at σ = 0.25, 0.58 at σ = 0.5
 UNRESOLVED_SIGMA = 0.5 / MAD_TO_STD
@@ -297,7 +300,7 @@ def _one_line(err: BaseException) -> str:
 
 
 def _limit_hint(args: argparse.Namespace, predictor_name: str, model_tiles: bool) -> str:
-    """What raises the pixel limit that applies (``kdeq.imageio.pixel_limit``) to a model that solves
+    """What raises the pixel limit that applies (``kdeq.images.imageio.pixel_limit``) to a model that solves
     in tiles (``model_tiles``) or not."""
     if (model_tiles and args.tile) or args.max_pixels <= args.max_untiled_pixels:
         return "--max-pixels raises the limit"
@@ -307,7 +310,7 @@ def _limit_hint(args: argparse.Namespace, predictor_name: str, model_tiles: bool
 
 def _check_headers(task: Task, inputs: list[Path], files: Mapping[str, Path], limit: int, hint: str) -> None:
     """Every input and its file inputs (``batchrun.matched_file``) opened and their headers checked
-    (``kdeq.imageio.open_image``: format, at most ``limit`` pixels, at least 2×2, one frame; a mask
+    (``kdeq.images.imageio.open_image``: format, at most ``limit`` pixels, at least 2×2, one frame; a mask
     of its image's size, either way round) before any is decoded; ``ValueError`` or
     ``ImageRefusedError`` naming the first refused file, with ``hint`` after a refusal for its pixel
     count."""
@@ -380,7 +383,7 @@ def _run_model(args: argparse.Namespace) -> int:
         why = unsupported(predictor)
         if why is not None:
             raise ValueError(f"no --uncertainty: {why}")
-    # the service's limits (kdeq.imageio.pixel_limit): a model that solves in tiles keeps a tile's
+    # the service's limits (kdeq.images.imageio.pixel_limit): a model that solves in tiles keeps a tile's
     # memory at any size, the others the image's
     model_tiles = task.tile_halo(predictor) is not None
     if model_tiles and args.tile**2 > args.max_untiled_pixels:
@@ -528,7 +531,7 @@ def _remote(args: argparse.Namespace) -> int:
 
 
 def _tile_side(text: str) -> int:
-    """``--tile``: 0 or an even side of at least 8 pixels (``kdeq.tiling.spans``)."""
+    """``--tile``: 0 or an even side of at least 8 pixels (``kdeq.serving.tiling.spans``)."""
     try:
         side = int(text)
     except ValueError:
@@ -561,8 +564,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 def _samples_help() -> str:
     """``kdeq samples --help``'s list of the files it writes, each with what it holds: the list
-    ``kdeq.samples.write_samples`` writes (``SAMPLE_FILES``)."""
-    from kdeq.samples import SAMPLE_FILES
+    ``kdeq.images.samples.write_samples`` writes (``SAMPLE_FILES``)."""
+    from kdeq.images.samples import SAMPLE_FILES
 
     width = max(map(len, SAMPLE_FILES))
     lines = [f"  {name:<{width}}  {meaning}" for name, meaning in SAMPLE_FILES.items()]
@@ -665,7 +668,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
-    from kdeq.initialize import (
+    from kdeq.models.initialize import (
         DEFAULT_SPECS,
         PLUG_AND_PLAY_SPECS,
         RETASKED,
@@ -718,17 +721,17 @@ LOADED_WHEN_RUN = {
         "choose a trained guided denoiser's bandwidth on validation",
     ),
     ("experiment", "init-compare"): (
-        "kdeq.train.init_compare",
+        "kdeq.research.init_compare",
         "main",
         "kGLM vs random initialisation (paper §4, Table 1)",
     ),
     ("experiment", "kerdeq"): (
-        "kdeq.train.exp_kerdeq",
+        "kdeq.research.exp_kerdeq",
         "main",
         "KerDEQ against OptEq on scikit-learn's digits (the seeds' claims)",
     ),
     ("experiment", "mondeq"): (
-        "kdeq.train.exp_mondeq",
+        "kdeq.research.exp_mondeq",
         "main",
         "the monotone DEQ on scikit-learn's digits: NTK loss decay and stability",
     ),
@@ -823,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
     p_samples = sub.add_parser(
         "samples",
         help="write generated sample images to try the models on (kdeq samples --help lists them)",
-        # read for `kdeq samples` alone, so that the other commands do not import kdeq.samples
+        # read for `kdeq samples` alone, so that the other commands do not import kdeq.images.samples
         epilog=_samples_help() if argv[:1] == ["samples"] else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -869,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
         demo(args.size, args.sigma, args.seed)
         return 0
     if args.command == "samples":
-        from kdeq.samples import write_samples
+        from kdeq.images.samples import write_samples
 
         for path in write_samples(args.directory, args.seed):
             print(f"wrote {path}")

@@ -1,6 +1,6 @@
 """A Python client for the kdeq HTTP service: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
 
-Each has one method per registered task (``kdeq.tasks.TASKS``), named after it with ``-`` written
+Each has one method per registered task (``kdeq.registry.TASKS``), named after it with ``-`` written
 ``_``: ``client.denoise(image, sigma=25)``, ``client.inpaint(image, mask=missing)``,
 ``client.super_resolve(image, scale=2)``. Its keyword arguments are the task's options and file
 inputs (as in ``kdeq TASK`` and docs/api.md), sent only when given, plus ``model``, ``max_iter``,
@@ -38,17 +38,18 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 from PIL import Image
 
-from kdeq import scaledpng
-from kdeq.tasks import TASKS, Task, UncertaintyMap, get_task
+from kdeq.images import scaledpng
+from kdeq.registry import TASKS, get_task
+from kdeq.tasks.base import Task, UncertaintyMap
 
 if TYPE_CHECKING:
     import httpx2 as httpx
@@ -69,6 +70,8 @@ RETRY_FLOOR = 0.05
 PNG_MODES = frozenset({"1", "L", "LA", "I;16", "I;16B", "P", "RGB", "RGBA"})
 # an X-Request-ID the service keeps (service.middleware.CLIENT_REQUEST_ID); it replaces any other
 REQUEST_ID = re.compile(r"[!-~]{1,128}")
+
+T = TypeVar("T")
 
 
 def _httpx() -> ModuleType:
@@ -343,14 +346,23 @@ def _upload(value: ImageInput, name: str) -> tuple[str, bytes, str]:
 
 
 @dataclass(frozen=True)
-class _Call:
-    """One task request, ready to send (and to send again after a 503)."""
+class _Request:
+    """One HTTP request, ready to send (and to send again, as it is, after a 503): a task's multipart
+    form (``data`` and ``files``) or a model-control request's JSON body (``json``)."""
 
-    task: Task
-    data: dict[str, str]
-    files: dict[str, tuple[str, bytes, str]]
+    method: str
+    path: str
     headers: dict[str, str]
     request_id: str
+    data: dict[str, str] | None = None
+    files: dict[str, tuple[str, bytes, str]] | None = None
+    json: dict | None = None
+
+    def send_with(self, http: httpx.Client | httpx.AsyncClient) -> Any:
+        """``http``'s request (an awaitable for an ``AsyncClient``)."""
+        return http.request(
+            self.method, self.path, data=self.data, files=self.files, json=self.json, headers=self.headers
+        )
 
 
 def _request_id(given: str | None) -> str:
@@ -363,7 +375,7 @@ def _request_id(given: str | None) -> str:
     return given
 
 
-def _call(
+def _task_request(
     task: Task,
     image: ImageInput,
     inputs: Mapping[str, Any],
@@ -372,7 +384,7 @@ def _call(
     tol: float | None,
     request_id: str | None,
     uncertainty: bool = False,
-) -> _Call:
+) -> _Request:
     """The multipart form of a request to ``task``: ``image``, the task's options and file inputs in
     ``inputs`` that are not ``None`` (``TypeError`` naming the task's own for any other name), the
     model and solver limits, ``uncertainty`` (sent, with ``Accept: application/json``, when true: the
@@ -394,16 +406,7 @@ def _call(
     if uncertainty:
         data["uncertainty"] = "true"
         headers["Accept"] = "application/json"
-    return _Call(task, data, uploads, headers, rid)
-
-
-def _no_answer(httpx: ModuleType, err: Exception, request_id: str, timeout: float) -> KdeqError:
-    """The exception for a request that got no answer (``err`` from httpx2)."""
-    if isinstance(err, httpx.TimeoutException):
-        return RequestTimeoutError(
-            "client_timeout", f"no answer within {timeout:g} s ({err!r})", None, request_id
-        )
-    return ConnectionFailedError("connection_failed", f"{type(err).__name__}: {err}", None, request_id)
+    return _Request("POST", task.route, headers, rid, data=data, files=uploads)
 
 
 @dataclass(frozen=True)
@@ -444,21 +447,101 @@ def _model_state(body: Any) -> ModelState:
     )
 
 
-def _control(name: str, action: str | None, version: int | None) -> tuple[str, str, dict | None]:
-    """The method, path and JSON body of a model-control request (``action`` ``load``, ``unload`` or
-    ``None`` for the model's state); ``ValueError`` for a name the service could never hold."""
+def _control_request(name: str, action: str | None, version: int | None) -> _Request:
+    """The model-control request ``action`` (``load``, ``unload``, or ``None`` for the model's state) on
+    model ``name``, answered in JSON, with a new request ID; ``ValueError`` for a name the service could
+    never hold."""
     if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9][a-z0-9._-]{0,63}", name):
         raise ValueError(f"{name!r} is not a model name")
+    rid = _request_id(None)
+    headers = {"Accept": "application/json", "X-Request-ID": rid}
     if action is None:
-        return "GET", f"/models/{name}", None
-    return "POST", f"/models/{name}/{action}", None if version is None else {"version": version}
+        return _Request("GET", f"/models/{name}", headers, rid)
+    body = None if version is None else {"version": version}
+    return _Request("POST", f"/models/{name}/{action}", headers, rid, json=body)
+
+
+# ------------------------------------------------------------------------------------------------ core
+# What a call does, without I/O: a generator that yields the steps a client performs, and is sent each
+# step's outcome: ``_Request`` (sent: the ``httpx.Response``), ``_Sleep`` (slept: ``None``) and
+# ``_Work`` (encoding or decoding images, run: its value). Its return value is the call's.
+
+
+@dataclass(frozen=True)
+class _Sleep:
+    """Wait ``seconds`` before sending again (a 503's ``Retry-After``)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Work:
+    """``function(*args)``: reading, encoding or decoding images, which the async client runs in a
+    worker thread, off its event loop."""
+
+    function: Callable[..., Any]
+    args: tuple
+
+
+_Step = _Request | _Sleep | _Work
+_Steps = Generator[_Step, Any, T]
+
+
+def _exchange(
+    request: _Request, retry_budget: float, clock: Callable[[], float] = time.monotonic
+) -> _Steps[httpx.Response]:
+    """``request`` sent, and sent again as it is after each 503 whose wait (``_delay``) ends within
+    ``retry_budget`` seconds of ``clock`` from the first attempt; the last answer."""
+    deadline = clock() + retry_budget
+    while True:
+        response = yield request
+        delay = _delay(response, clock(), deadline)
+        if delay is None:
+            return response
+        yield _Sleep(delay)
+
+
+def _run_steps(
+    task: str,
+    image: ImageInput,
+    inputs: Mapping[str, Any],
+    model: str | None,
+    max_iter: int | None,
+    tol: float | None,
+    request_id: str | None,
+    uncertainty: bool,
+    retry_budget: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> _Steps[Result]:
+    """``run``: the task's request built (``_task_request``), exchanged (``_exchange``), and its answer
+    read as a ``Result`` (``_result``), or raised as a ``KdeqError`` (``_error``)."""
+    chosen = get_task(task)
+    request = yield _Work(
+        _task_request, (chosen, image, inputs, model, max_iter, tol, request_id, uncertainty)
+    )
+    response = yield from _exchange(request, retry_budget, clock)
+    if response.status_code != 200:
+        raise _error(response, request.request_id)
+    return (yield _Work(_result, (chosen, response, request.request_id)))
+
+
+def _control_steps(
+    name: str,
+    action: str | None,
+    version: int | None,
+    retry_budget: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> _Steps[ModelState]:
+    """``model``, ``load_model`` and ``unload_model``: the request (``_control_request``) exchanged, and its
+    answer read as a ``ModelState``, or raised as a ``KdeqError``."""
+    request = _control_request(name, action, version)
+    response = yield from _exchange(request, retry_budget, clock)
+    if response.status_code != 200:
+        raise _error(response, request.request_id)
+    return _model_state(response.json())
 
 
 # ---------------------------------------------------------------------------------------------- clients
-
-
-def _json_headers(request_id: str) -> dict[str, str]:
-    return {"Accept": "application/json", "X-Request-ID": request_id}
 
 
 class _Base:
@@ -473,6 +556,16 @@ class _Base:
         self._headers = {"Accept": "image/png", "User-Agent": "kdeq-client"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+
+    def _no_answer(self, err: Exception, request: _Request) -> KdeqError:
+        """The exception for ``request`` getting no answer (``err`` from httpx2)."""
+        if isinstance(err, self._httpx.TimeoutException):
+            return RequestTimeoutError(
+                "client_timeout", f"no answer within {self.timeout:g} s ({err!r})", None, request.request_id
+            )
+        return ConnectionFailedError(
+            "connection_failed", f"{type(err).__name__}: {err}", None, request.request_id
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"  # never the key
@@ -514,53 +607,43 @@ class Client(_Base):
         ``tol``, ``uncertainty`` to have the output's posterior standard deviation too
         (``Result.uncertainty``; the models with a posterior map), and ``request_id`` sent as
         ``X-Request-ID`` (default a random one). ``KdeqError`` when refused."""
-        call = _call(get_task(task), image, inputs, model, max_iter, tol, request_id, uncertainty)
-        deadline = time.monotonic() + self.retry_budget
-        while True:
-            response = self._send(call)
-            delay = _delay(response, time.monotonic(), deadline)
-            if delay is None:
-                break
-            self._sleep(delay)
-        if response.status_code != 200:
-            raise _error(response, call.request_id)
-        return _result(call.task, response, call.request_id)
-
-    def _send(self, call: _Call) -> httpx.Response:
-        try:
-            return self._http.post(call.task.route, data=call.data, files=call.files, headers=call.headers)
-        except self._httpx.TransportError as err:
-            raise _no_answer(self._httpx, err, call.request_id, self.timeout) from err
+        args = (model, max_iter, tol, request_id, uncertainty, self.retry_budget)
+        return self._drive(_run_steps(task, image, inputs, *args))
 
     def model(self, name: str) -> ModelState:
         """Model ``name``'s state: the version serving, its devices, the versions on the service."""
-        return self._control(*_control(name, None, None))
+        return self._drive(_control_steps(name, None, None, self.retry_budget))
 
     def load_model(self, name: str, version: int | None = None) -> ModelState:
         """Load ``name`` at ``version`` (default the highest the service holds), warm it and swap it in
         (the service needs ``KDEQ_MODEL_CONTROL=true``); its state after. ``KdeqError`` when refused:
         ``load_failed`` (422) leaves the version serving untouched."""
-        return self._control(*_control(name, "load", version))
+        return self._drive(_control_steps(name, "load", version, self.retry_budget))
 
     def unload_model(self, name: str) -> ModelState:
         """Stop serving ``name`` (requests already admitted finish); its state after."""
-        return self._control(*_control(name, "unload", None))
+        return self._drive(_control_steps(name, "unload", None, self.retry_budget))
 
-    def _control(self, method: str, path: str, body: dict | None) -> ModelState:
-        rid = _request_id(None)
-        deadline = time.monotonic() + self.retry_budget
+    def _drive(self, steps: _Steps[T]) -> T:
+        """The core's ``steps`` performed here and now, in this thread; their return value."""
+        outcome = None
         while True:
             try:
-                response = self._http.request(method, path, json=body, headers=_json_headers(rid))
-            except self._httpx.TransportError as err:
-                raise _no_answer(self._httpx, err, rid, self.timeout) from err
-            delay = _delay(response, time.monotonic(), deadline)
-            if delay is None:
-                break
-            self._sleep(delay)
-        if response.status_code != 200:
-            raise _error(response, rid)
-        return _model_state(response.json())
+                step = steps.send(outcome)
+            except StopIteration as done:
+                return done.value
+            if isinstance(step, _Work):
+                outcome = step.function(*step.args)
+            elif isinstance(step, _Sleep):
+                outcome = self._sleep(step.seconds)
+            else:
+                outcome = self._send(step)
+
+    def _send(self, request: _Request) -> httpx.Response:
+        try:
+            return request.send_with(self._http)
+        except self._httpx.TransportError as err:
+            raise self._no_answer(err, request) from err
 
     def close(self) -> None:
         self._http.close()
@@ -602,55 +685,42 @@ class AsyncClient(_Base):
         **inputs: Any,
     ) -> Result:
         """``Client.run``, awaited."""
-        call = await asyncio.to_thread(
-            _call, get_task(task), image, inputs, model, max_iter, tol, request_id, uncertainty
-        )
-        deadline = time.monotonic() + self.retry_budget
-        while True:
-            response = await self._send(call)
-            delay = _delay(response, time.monotonic(), deadline)
-            if delay is None:
-                break
-            await self._sleep(delay)
-        if response.status_code != 200:
-            raise _error(response, call.request_id)
-        return await asyncio.to_thread(_result, call.task, response, call.request_id)
-
-    async def _send(self, call: _Call) -> httpx.Response:
-        try:
-            return await self._http.post(
-                call.task.route, data=call.data, files=call.files, headers=call.headers
-            )
-        except self._httpx.TransportError as err:
-            raise _no_answer(self._httpx, err, call.request_id, self.timeout) from err
+        args = (model, max_iter, tol, request_id, uncertainty, self.retry_budget)
+        return await self._drive(_run_steps(task, image, inputs, *args))
 
     async def model(self, name: str) -> ModelState:
         """``Client.model``, awaited."""
-        return await self._control(*_control(name, None, None))
+        return await self._drive(_control_steps(name, None, None, self.retry_budget))
 
     async def load_model(self, name: str, version: int | None = None) -> ModelState:
         """``Client.load_model``, awaited."""
-        return await self._control(*_control(name, "load", version))
+        return await self._drive(_control_steps(name, "load", version, self.retry_budget))
 
     async def unload_model(self, name: str) -> ModelState:
         """``Client.unload_model``, awaited."""
-        return await self._control(*_control(name, "unload", None))
+        return await self._drive(_control_steps(name, "unload", None, self.retry_budget))
 
-    async def _control(self, method: str, path: str, body: dict | None) -> ModelState:
-        rid = _request_id(None)
-        deadline = time.monotonic() + self.retry_budget
+    async def _drive(self, steps: _Steps[T]) -> T:
+        """The core's ``steps`` performed on the event loop, ``_Work`` in a worker thread; their return
+        value."""
+        outcome = None
         while True:
             try:
-                response = await self._http.request(method, path, json=body, headers=_json_headers(rid))
-            except self._httpx.TransportError as err:
-                raise _no_answer(self._httpx, err, rid, self.timeout) from err
-            delay = _delay(response, time.monotonic(), deadline)
-            if delay is None:
-                break
-            await self._sleep(delay)
-        if response.status_code != 200:
-            raise _error(response, rid)
-        return _model_state(response.json())
+                step = steps.send(outcome)
+            except StopIteration as done:
+                return done.value
+            if isinstance(step, _Work):
+                outcome = await asyncio.to_thread(step.function, *step.args)
+            elif isinstance(step, _Sleep):
+                outcome = await self._sleep(step.seconds)
+            else:
+                outcome = await self._send(step)
+
+    async def _send(self, request: _Request) -> httpx.Response:
+        try:
+            return await request.send_with(self._http)
+        except self._httpx.TransportError as err:
+            raise self._no_answer(err, request) from err
 
     async def aclose(self) -> None:
         await self._http.aclose()

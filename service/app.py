@@ -5,7 +5,7 @@ shutdown, finishes the queued requests before the workers end.
 
 The PNG codec — decoding an upload and preparing the task's request, encoding the
 result — runs on worker threads, never on the event loop, at most one per core
-the process has (``kdeq.threads.available_cores``: its CPU affinity and cgroup
+the process has (``kdeq.runtime.threads.available_cores``: its CPU affinity and cgroup
 quota) at once: ``app.state.codec``, a capacity limiter on anyio's threads. It is
 CPU work that mostly releases the GIL (zlib, Pillow's decoder, numpy), so more
 threads than cores would only share them, holding more decoded images in memory
@@ -23,7 +23,7 @@ from anyio import CapacityLimiter
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 
-from kdeq.threads import available_cores
+from kdeq.runtime.threads import available_cores
 from service import __version__
 from service.apidocs import install_api_docs
 from service.errors import install_error_handlers

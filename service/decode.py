@@ -4,7 +4,7 @@ Only PNG, JPEG, WebP and TIFF decoders are ever consulted. The pixel limit is
 checked from the header, before any pixel is decoded, so a small file that
 claims a huge image (a decompression bomb) costs nothing. EXIF orientation is
 applied; a multi-frame file (animated WebP, multi-page TIFF) is refused. These
-checks are ``kdeq.imageio.load_image``'s, the ones ``kdeq TASK`` makes on its
+checks are ``kdeq.images.imageio.load_image``'s, the ones ``kdeq TASK`` makes on its
 files: each refusal's status, code and detail are its ``ImageRefusedError``'s.
 
 Decoding is numpy-only: torch runs on the inference workers alone, so its
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from kdeq.imageio import ImageRefusedError, check_mask_size, load_image
+from kdeq.images.imageio import ImageRefusedError, check_mask_size, load_image
 from service.errors import ApiError
 
 SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N", "I", "F"}
@@ -68,7 +68,7 @@ def _unit(im: Image.Image) -> np.ndarray:
 
 def decode_image(data: bytes, field: str, max_pixels: int) -> DecodedImage:
     """Decode an upload; ``ApiError`` 400 (empty), 413 (pixels), 415 (format, or undecodable) or 422
-    (too small, several frames): ``kdeq.imageio.load_image``'s refusals, the header checked before
+    (too small, several frames): ``kdeq.images.imageio.load_image``'s refusals, the header checked before
     any pixel is decoded."""
     try:
         im = load_image(data, f"`{field}`", max_pixels)

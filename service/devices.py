@@ -19,8 +19,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from kdeq import heap
-from kdeq.predictor import resolve_device
+from kdeq.predictors.base import resolve_device
+from kdeq.runtime import heap
 
 log = logging.getLogger("kdeq.service")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kdeq import png
+from kdeq.images import png
 
 PNG = "image/png"
 JSON = "application/json"
@@ -25,7 +25,7 @@ def _quantise(x: np.ndarray, peak: int, dtype: type, rows: int = 256) -> np.ndar
 def encode_png(pixels: np.ndarray, mode: str, alpha: np.ndarray | None = None) -> bytes:
     """A PNG of ``pixels`` ``(c, H, W)`` in [0, 1] in ``mode`` (``L``, ``I;16``, ``RGB``, ``LA``,
     ``RGBA``); ``alpha`` ``(1, H, W)`` for the modes with transparency (opaque when ``None``).
-    Numpy-only, like decoding (see ``service.decode``); written by ``kdeq.png``."""
+    Numpy-only, like decoding (see ``service.decode``); written by ``kdeq.images.png``."""
     channels = {"L": 1, "I;16": 1, "RGB": 3, "LA": 1, "RGBA": 3}.get(mode)
     if channels is None or pixels.shape[0] != channels:
         raise ValueError(f"cannot encode {tuple(pixels.shape)} pixels as {mode}")

@@ -34,7 +34,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kdeq.tasks import TASKS
+from kdeq.registry import TASKS
 from service import __version__
 
 log = logging.getLogger("kdeq.service")

@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kdeq.checkpoint import CheckpointError, ModelConfig, read_config
-from kdeq.predictor import Predictor
-from kdeq.repository import NAME, VERSION, find_model, find_reference, list_models, load_predictor
-from kdeq.tasks import TASKS, solve_batch
-from kdeq.uncertainty import unsupported
+from kdeq.models.checkpoint import CheckpointError, ModelConfig, read_config
+from kdeq.models.repository import NAME, VERSION, find_model, find_reference, list_models, load_predictor
+from kdeq.predictors.base import Predictor
+from kdeq.predictors.uncertainty import unsupported
+from kdeq.registry import TASKS
+from kdeq.tasks.base import solve_batch
 from service.devices import classify, on_device
 from service.errors import ApiError, DeviceFailedError
 
@@ -53,19 +54,19 @@ class ModelSlot:
 
     @property
     def pads_exactly(self) -> bool:
-        """Whether the model batches images of different sizes exactly (``kdeq.predictor``)."""
+        """Whether the model batches images of different sizes exactly (``kdeq.predictors.base``)."""
         return any(p.pads_exactly for p in self.predictors.values())
 
     @property
     def uncertainty_unsupported(self) -> str | None:
-        """Why the model gives no posterior standard deviation (``kdeq.uncertainty.unsupported``), or
-        ``None`` where it gives one."""
+        """Why the model gives no posterior standard deviation (``kdeq.predictors.uncertainty.unsupported``),
+        or ``None`` where it gives one."""
         found = next(iter(self.predictors.values()), None)
         return "it is not loaded" if found is None else unsupported(found)
 
     @property
     def tiles(self) -> bool:
-        """Whether the model solves images larger than a tile a tile at a time (``kdeq.tiling``)."""
+        """Whether the model solves images larger than a tile a tile at a time (``kdeq.serving.tiling``)."""
         task = TASKS[self.task] if self.task is not None else None
         return task is not None and any(task.tile_halo(p) is not None for p in self.predictors.values())
 

@@ -1,10 +1,10 @@
 """The HTTP routes: one inference route per registered task (``POST /<task>``, generated from
-``kdeq.tasks.TASKS``) and operations (``/tasks``, ``/models``, ``/models/{name}`` with its ``load``,
+``kdeq.registry.TASKS``) and operations (``/tasks``, ``/models``, ``/models/{name}`` with its ``load``,
 ``unload`` and ``ready``, ``/healthz``, ``/readyz``, ``/metrics``).
 
-An inference request is decoded (``service.decode``) and made into the task's
+An inference request (``infer``) is decoded (``service.decode``) and made into the task's
 ``Request`` (``Task.prepare``) on the codec pool, queued and solved
-(``service.engine`` → ``kdeq.tasks.solve_batch``) and encoded (``service.encode``)
+(``service.engine`` → ``kdeq.tasks.base.solve_batch``) and encoded (``service.encode``)
 on the codec pool again: worker threads, at most ``app.state.codec``'s tokens of
 them at once (``service.app``), never the event loop's.
 """
@@ -18,7 +18,7 @@ import inspect
 import io
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar, get_args, get_origin
 
@@ -34,13 +34,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic import Field as PydanticField
 from pydantic.fields import FieldInfo
 
-from kdeq import scaledpng
-from kdeq.imageio import pixel_limit, to_bytes
-from kdeq.predictor import SolverOverride
-from kdeq.samples import sample_images
-from kdeq.tasks import TASKS, InputError, ResultField, Solved, Task, choice_of
-from kdeq.tasks import Request as TaskRequest
-from kdeq.tasks.base import counts_of
+from kdeq.images import scaledpng
+from kdeq.images.imageio import pixel_limit, to_bytes
+from kdeq.images.samples import sample_images
+from kdeq.predictors.base import SolverOverride
+from kdeq.registry import TASKS, Choice, choice_of
+from kdeq.tasks.base import FileInput, InputError, Options, ResultField, Solved, Task, counts_of
+from kdeq.tasks.base import Request as TaskRequest
 from service.decode import DecodedImage, decode_image, decode_mask
 from service.encode import PNG, encode_png, wants_json
 from service.engine import Job
@@ -81,7 +81,7 @@ class SolverInfo(BaseModel):
 
 
 class UncertaintyInfo(BaseModel):
-    """The posterior standard deviation of the output (``uncertainty=true``; ``kdeq.uncertainty``)."""
+    """The posterior standard deviation of the output (``uncertainty=true``; ``kdeq.predictors.uncertainty``)."""  # noqa: E501
 
     png: str = PydanticField(
         description="a 16-bit grey PNG in base64: pixel value × `scale` is the standard deviation on "
@@ -197,36 +197,44 @@ def _responses(result_fields: Iterable[ResultField], result: type[Result]) -> di
 
 
 ImageField = Annotated[UploadFile, File(description="PNG, JPEG, WebP or TIFF; grey or colour")]
-ModelField = Annotated[
-    str | None,
-    Form(
-        description="`NAME` or `NAME:VERSION` of a loaded model (default: the task's first)", max_length=100
+KEYWORD = inspect.Parameter.KEYWORD_ONLY
+
+
+def _common(
+    name: str, kind: object, default: object, description: str, **limits: object
+) -> inspect.Parameter:
+    return inspect.Parameter(
+        name, KEYWORD, default=default, annotation=Annotated[kind, Form(description=description, **limits)]
+    )
+
+
+#: the form fields every inference route takes after its tasks' own, in the order of the OpenAPI
+#: document's form (``image``, the task's choice, options and file inputs come before them)
+COMMON_FIELDS: tuple[inspect.Parameter, ...] = (
+    _common(
+        "model",
+        str | None,
+        None,
+        "`NAME` or `NAME:VERSION` of a loaded model (default: the task's first)",
+        max_length=100,
     ),
-]
-MaxIterField = Annotated[
-    int | None, Form(ge=1, description="lower the model's iteration cap for this request")
-]
-TolField = Annotated[
-    float | None, Form(gt=0, lt=1, allow_inf_nan=False, description="solver tolerance for this request")
-]
-
-
-HistoryField = Annotated[
-    bool,
-    Form(
-        description="also return the relative residual at each step (JSON: `solver.history`; at most "
-        "`max_iter` numbers; not for images solved in tiles)"
+    _common("max_iter", int | None, None, "lower the model's iteration cap for this request", ge=1),
+    _common("tol", float | None, None, "solver tolerance for this request", gt=0, lt=1, allow_inf_nan=False),
+    _common(
+        "history",
+        bool,
+        False,
+        "also return the relative residual at each step (JSON: `solver.history`; at most `max_iter` "
+        "numbers; not for images solved in tiles)",
     ),
-]
-
-
-UncertaintyField = Annotated[
-    bool,
-    Form(
-        description="also return the output's posterior standard deviation (JSON only: `uncertainty`; "
-        "the Gaussian tasks' models and the segmenter, by Laplace's approximation)"
+    _common(
+        "uncertainty",
+        bool,
+        False,
+        "also return the output's posterior standard deviation (JSON only: `uncertainty`; the Gaussian "
+        "tasks' models and the segmenter, by Laplace's approximation)",
     ),
-]
+)
 
 
 def _check_uncertainty(slot: ModelSlot, request: Request) -> None:
@@ -288,9 +296,6 @@ def _form_parameter(name: str, info: FieldInfo) -> inspect.Parameter:
     return inspect.Parameter(name, KEYWORD, default=default, annotation=Annotated[kind, form])
 
 
-KEYWORD = inspect.Parameter.KEYWORD_ONLY
-
-
 def _decode_inputs(
     task: Task, image: UploadFile, files: dict[str, UploadFile], limit: int
 ) -> tuple[DecodedImage, dict[str, np.ndarray]]:
@@ -308,236 +313,309 @@ def _decode_inputs(
     return decoded, arrays
 
 
-def add_task_route(router: APIRouter, host: Task) -> None:
-    """``POST /<host>``: the form fields are ``image``, the task's options and file inputs, ``model``,
-    ``max_iter``, ``tol``, ``history`` and ``uncertainty``; the response is the task's ``Result``
-    (JSON) or the PNG with headers. Where other tasks are variants of ``host`` (``choice_of``), its
-    choice's field picks the task, and the route takes their options and file inputs too, each only
-    with the value that picks its task (422 ``misplaced_option`` otherwise)."""
-    choice = choice_of(host)
-    tasks = [host] if choice is None else list(choice.tasks.values())
-    fields = {f.name: f for t in tasks for f in t.fields}
-    result_model = create_model(
-        f"{host.name.title().replace('-', '')}Result",
-        __base__=Result,
-        **{f.name: (float | None, PydanticField(None, description=f.description)) for f in fields.values()},
-    )
-    option_fields = {name: info for t in tasks for name, info in t.options.model_fields.items()}
-    file_specs = {spec.name: spec for t in tasks for spec in t.files}
-    chooser = [] if choice is None else [choice.field]
+@dataclasses.dataclass(frozen=True)
+class TaskRoute:
+    """``POST host.route``: the tasks it answers, ``host`` and, where other tasks are variants of it
+    (``choice_of``), those too, picked by ``choice.field``; their options, file inputs and result fields
+    (each by name, the first task's where two share one); and ``result``, the JSON body's model."""
 
-    def pick(sent: set[str], value: object) -> Task:
-        if choice is None:
-            return host
-        task = choice.pick(value)
-        misplaced = choice.misplaced(task, sent)
+    host: Task
+    choice: Choice | None
+    options: dict[str, FieldInfo]
+    files: dict[str, FileInput]
+    fields: dict[str, ResultField]
+    result: type[Result]
+
+    @classmethod
+    def of(cls, host: Task) -> TaskRoute:
+        choice = choice_of(host)
+        tasks = [host] if choice is None else list(choice.tasks.values())
+        fields = {f.name: f for t in tasks for f in t.fields}
+        result = create_model(
+            f"{host.name.title().replace('-', '')}Result",
+            __base__=Result,
+            **{
+                f.name: (float | None, PydanticField(None, description=f.description))
+                for f in fields.values()
+            },
+        )
+        return cls(
+            host=host,
+            choice=choice,
+            options={name: info for t in tasks for name, info in t.options.model_fields.items()},
+            files={spec.name: spec for t in tasks for spec in t.files},
+            fields=fields,
+            result=result,
+        )
+
+    def form(self) -> list[inspect.Parameter]:
+        """The route's form fields, in the OpenAPI document's order: ``image``, the choice's field, the
+        options, the file inputs, then ``COMMON_FIELDS``."""
+        chosen = []
+        if self.choice is not None:
+            kind = Literal[tuple(self.choice.tasks)]
+            described = Form(description=self.choice.description)
+            chosen.append(
+                inspect.Parameter(
+                    self.choice.field,
+                    KEYWORD,
+                    default=self.choice.default,
+                    annotation=Annotated[kind, described],
+                )
+            )
+        files = [
+            inspect.Parameter(
+                spec.name,
+                KEYWORD,
+                default=None,
+                annotation=Annotated[UploadFile | None, File(description=spec.description)],
+            )
+            for spec in self.files.values()
+        ]
+        return [
+            inspect.Parameter("image", KEYWORD, annotation=ImageField),
+            *chosen,
+            *(_form_parameter(name, info) for name, info in self.options.items()),
+            *files,
+            *COMMON_FIELDS,
+        ]
+
+    def pick(self, sent: set[str], value: object) -> Task:
+        """The task the choice's field ``value`` picks (``host`` without a choice); 422
+        ``misplaced_option`` where ``sent`` names another task's options or file inputs."""
+        if self.choice is None:
+            return self.host
+        task = self.choice.pick(value)
+        misplaced = self.choice.misplaced(task, sent)
         if misplaced:
             raise ApiError(
                 422,
                 "misplaced_option",
-                f"{misplaced} are not fields of {choice.field}={choice.value_of(task)} ({task.route})",
+                f"{misplaced} are not fields of {self.choice.field}={self.choice.value_of(task)} "
+                f"({task.route})",
             )
         return task
 
-    async def endpoint(request: Request, **form: object) -> Response:
-        svc = _service(request)
-        start = time.monotonic()
-        ticket = request.state.kdeq_ticket  # admitted by the Admission middleware
-        # before decoding: the task (422), the model (400/404), the solver override (422), the options (422)
-        task = pick(set((await request.form()).keys()), form.get(choice.field) if choice else None)
-        option_names = list(task.options.model_fields)
-        file_names = [f.name for f in task.files]
-        slot = svc.registry.resolve(task.name, form["model"])
-        override = _override(slot, form["max_iter"], form["tol"], bool(form["history"]))
-        uncertainty = bool(form["uncertainty"])
-        if uncertainty:
-            _check_uncertainty(slot, request)
-        try:
-            options = task.options(**{name: form[name] for name in option_names})
-        except ValidationError as err:
-            raise ApiError(422, "invalid_option", describe_errors(err.errors(include_url=False))) from None
-        uploads = {name: form[name] for name in file_names if form[name] is not None}
-        # a model that solves in tiles keeps a tile's memory at any size; the others, the image's
-        tiles = slot.tiles and svc.settings.tile_size > 0
-        settings = svc.settings
-        limit = pixel_limit(tiles, settings.max_pixels, settings.max_untiled_pixels)
-
-        def make() -> tuple[TaskRequest, DecodedImage]:
-            decoded, arrays = _decode_inputs(task, form["image"], uploads, limit)
-            try:
-                pixels = counts_of(decoded.pixels, decoded.full_scale) if task.counts else decoded.pixels
-                job_input = task.prepare(pixels, decoded.alpha, options, arrays, override)
-                job_input = dataclasses.replace(job_input, uncertainty=uncertainty)
-                if uncertainty:
-                    task.check_uncertainty(job_input)
-            except InputError as err:
-                raise ApiError(400 if err.absent else 422, err.code, err.detail) from None
-            h, w = task.output_size(job_input)
-            if h * w > limit:
-                raise ApiError(
-                    413, "too_many_pixels", f"the output would be {w}×{h}, more than {limit} pixels"
-                )
-            return job_input, decoded
-
-        try:
-            job_input, decoded = await _on_codec_pool(request, make)
-        except ApiError as err:
-            if err.error == "too_many_pixels":
-                svc.metrics.rejected.labels("too_many_pixels").inc()
-            raise
-        decoded_at = time.monotonic()
-        h, w = task.output_size(job_input)
-        c = job_input.image.shape[0]
-        ih, iw = job_input.image.shape[-2:]
-        # a model that pads exactly batches sizes within a factor of two (kdeq.predictor.pad_images)
-        shape = (c, ih.bit_length(), iw.bit_length()) if slot.pads_exactly else job_input.image.shape
-        # an image solved in tiles is its own batch (its tiles are batched): batched with others, each
-        # would wait for all the others' tiles
-        alone = object() if tiles and ih * iw > settings.tile_size**2 else None
-        job = Job(
-            # the route requested, as the HTTP metrics label it: one request, one label, whichever
-            # of the route's tasks answers it (the model label names that)
-            endpoint=host.route,
-            model=slot.id,
-            batch_key=(slot, shape, task.batch_key(job_input), alone, uncertainty),
-            payload=job_input,
-            pixels=h * w,
-            deadline=start + svc.settings.request_timeout_seconds,
-            target=slot,
-        )
-        solved: Solved = await svc.engine.infer(job, ticket)
-        done_at = time.monotonic()
-        mode = "L" if task.grey_output else decoded.mode
-        alpha = task.output_alpha(job_input, decoded.alpha, list(uploads))
-        png = await _on_codec_pool(request, encode_png, solved.output, mode, alpha)
-        std = None if solved.uncertainty is None else await _on_codec_pool(request, _uncertainty, solved)
-        end = time.monotonic()
-        timings = Timings(
-            decode_seconds=decoded_at - start,
-            queue_seconds=job.started_at - job.enqueued_at,
-            inference_seconds=done_at - job.started_at,
-            encode_seconds=end - done_at,
-            total_seconds=end - start,
-        )
-        record_phases(
-            [
-                ("decode", start, decoded_at),
-                ("queue", job.enqueued_at, job.started_at),
-                ("solve", job.started_at, done_at),
-                ("encode", done_at, end),
-            ],
-            {
-                "model": slot.id,
-                "iterations": solved.iterations,
-                "residual": solved.residual,
-                "converged": solved.converged,
-                "batch_size": job.batch_size,
-            },
-        )
-        headers = {
-            "Vary": "Accept",
-            "X-KDEQ-Model": slot.id,
-            "X-KDEQ-Iterations": str(solved.iterations),
-            "X-KDEQ-Residual": f"{solved.residual:.3e}",
-            "X-KDEQ-Converged": "true" if solved.converged else "false",
-            "X-KDEQ-Lambda": f"{solved.lam:.6e}",
-            "X-KDEQ-Batch-Size": str(job.batch_size),
-            "Server-Timing": ", ".join(
-                f"{k.removesuffix('_seconds')};dur={v * 1e3:.1f}" for k, v in timings.model_dump().items()
-            ),
-        }
-        for f in task.fields:
-            value = solved.fields[f.name]
-            if value is not None:
-                headers[f.header] = format(value, f.format)
-        if not wants_json(request.headers.get("accept")):
-            return Response(png, media_type=PNG, headers=headers)
-        # JSON has no infinity: a diverged solve's residual is reported as null (the header says "inf")
-        residual = solved.residual if math.isfinite(solved.residual) else None
-        body = result_model(
-            model=slot.id,
-            image=base64.b64encode(png).decode(),
-            width=w,
-            height=h,
-            mode=mode,
-            solver=SolverInfo(
-                iterations=solved.iterations,
-                residual=residual,
-                converged=solved.converged,
-                history=None
-                if solved.history is None
-                else [v if math.isfinite(v) else None for v in solved.history],
-            ),
-            lam=solved.lam,
-            batch_size=job.batch_size,
-            timings=timings,
-            uncertainty=std,
-            **solved.fields,
-        )
-        return JSONResponse(body.model_dump(), headers=headers)
-
-    files = [
-        inspect.Parameter(
-            spec.name,
-            KEYWORD,
-            default=None,
-            annotation=Annotated[UploadFile | None, File(description=spec.description)],
-        )
-        for spec in file_specs.values()
-    ]
-    chosen = []
-    if choice is not None:
-        kind = Literal[tuple(choice.tasks)]
-        described = Form(description=choice.description)
-        chosen.append(
-            inspect.Parameter(
-                choice.field, KEYWORD, default=choice.default, annotation=Annotated[kind, described]
+    def description(self) -> str:
+        """The host's help, then each variant's after the field value that asks for it."""
+        text = " ".join((self.host.__doc__ or self.host.summary).split())
+        if self.choice is not None:
+            text += "".join(
+                f" With `{self.choice.field}={value}` (as `{t.route}`): "
+                f"{' '.join((t.__doc__ or t.summary).split())}"
+                for value, t in self.choice.tasks.items()
+                if t is not self.host
             )
-        )
-    endpoint.__signature__ = inspect.Signature(
-        [
-            inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
-            inspect.Parameter("image", KEYWORD, annotation=ImageField),
-            *chosen,
-            *(_form_parameter(name, info) for name, info in option_fields.items()),
-            *files,
-            inspect.Parameter("model", KEYWORD, default=None, annotation=ModelField),
-            inspect.Parameter("max_iter", KEYWORD, default=None, annotation=MaxIterField),
-            inspect.Parameter("tol", KEYWORD, default=None, annotation=TolField),
-            inspect.Parameter("history", KEYWORD, default=False, annotation=HistoryField),
-            inspect.Parameter("uncertainty", KEYWORD, default=False, annotation=UncertaintyField),
-        ]
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """An inference request's form, read and checked before any image is decoded: the task it picks,
+    the model slot answering it, the task's options, the file inputs sent, the solver override, whether
+    the uncertainty map is asked for, whether the model solves in tiles, and the pixel limit."""
+
+    task: Task
+    slot: ModelSlot
+    options: Options
+    uploads: dict[str, UploadFile]
+    override: SolverOverride | None
+    uncertainty: bool
+    tiles: bool
+    limit: int
+
+
+async def read_form(request: Request, route: TaskRoute, form: Mapping[str, object]) -> Asked:
+    """``form`` (the route's fields, as FastAPI parsed them) checked in this order: the task (422), the
+    model (400/404), the solver override (422), the uncertainty map (422), the options (422)."""
+    svc = _service(request)
+    sent = set((await request.form()).keys())
+    task = route.pick(sent, form.get(route.choice.field) if route.choice else None)
+    slot = svc.registry.resolve(task.name, form["model"])
+    override = _override(slot, form["max_iter"], form["tol"], bool(form["history"]))
+    uncertainty = bool(form["uncertainty"])
+    if uncertainty:
+        _check_uncertainty(slot, request)
+    try:
+        options = task.options(**{name: form[name] for name in task.options.model_fields})
+    except ValidationError as err:
+        raise ApiError(422, "invalid_option", describe_errors(err.errors(include_url=False))) from None
+    uploads = {f.name: form[f.name] for f in task.files if form[f.name] is not None}
+    # a model that solves in tiles keeps a tile's memory at any size; the others, the image's
+    settings = svc.settings
+    tiles = slot.tiles and settings.tile_size > 0
+    limit = pixel_limit(tiles, settings.max_pixels, settings.max_untiled_pixels)
+    return Asked(task, slot, options, uploads, override, uncertainty, tiles, limit)
+
+
+def prepare(asked: Asked, image: UploadFile) -> tuple[TaskRequest, DecodedImage]:
+    """The task's ``Request`` for ``image`` and the asked inputs, and the decoded image (run on the codec
+    pool): 400/422 for the task's refusals, 413 ``too_many_pixels`` for an output over the limit."""
+    task = asked.task
+    decoded, arrays = _decode_inputs(task, image, asked.uploads, asked.limit)
+    try:
+        pixels = counts_of(decoded.pixels, decoded.full_scale) if task.counts else decoded.pixels
+        job_input = task.prepare(pixels, decoded.alpha, asked.options, arrays, asked.override)
+        job_input = dataclasses.replace(job_input, uncertainty=asked.uncertainty)
+        if asked.uncertainty:
+            task.check_uncertainty(job_input)
+    except InputError as err:
+        raise ApiError(400 if err.absent else 422, err.code, err.detail) from None
+    h, w = task.output_size(job_input)
+    if h * w > asked.limit:
+        raise ApiError(413, "too_many_pixels", f"the output would be {w}×{h}, more than {asked.limit} pixels")
+    return job_input, decoded
+
+
+def make_job(route: TaskRoute, asked: Asked, job_input: TaskRequest, deadline: float, tile_size: int) -> Job:
+    """The engine's job for ``job_input``: batched with requests to the same model slot whose inputs
+    have the same shape (a model that pads exactly: within a factor of two,
+    ``kdeq.predictors.base.pad_images``) and the same task batch key and uncertainty; an image solved in
+    tiles alone (its tiles are batched: batched with others, each would wait for all the others' tiles)."""
+    task, slot = asked.task, asked.slot
+    h, w = task.output_size(job_input)
+    c = job_input.image.shape[0]
+    ih, iw = job_input.image.shape[-2:]
+    shape = (c, ih.bit_length(), iw.bit_length()) if slot.pads_exactly else job_input.image.shape
+    alone = object() if asked.tiles and ih * iw > tile_size**2 else None
+    return Job(
+        # the route requested, as the HTTP metrics label it: one request, one label, whichever of the
+        # route's tasks answers it (the model label names that)
+        endpoint=route.host.route,
+        model=slot.id,
+        batch_key=(slot, shape, task.batch_key(job_input), alone, asked.uncertainty),
+        payload=job_input,
+        pixels=h * w,
+        deadline=deadline,
+        target=slot,
     )
+
+
+def result_headers(task: Task, slot: ModelSlot, solved: Solved, job: Job, timings: Timings) -> dict[str, str]:
+    """The ``X-KDEQ-*`` headers of an answer (the task's result fields where they have a value),
+    ``Server-Timing`` in milliseconds, and ``Vary: Accept``."""
+    headers = {
+        "Vary": "Accept",
+        "X-KDEQ-Model": slot.id,
+        "X-KDEQ-Iterations": str(solved.iterations),
+        "X-KDEQ-Residual": f"{solved.residual:.3e}",
+        "X-KDEQ-Converged": "true" if solved.converged else "false",
+        "X-KDEQ-Lambda": f"{solved.lam:.6e}",
+        "X-KDEQ-Batch-Size": str(job.batch_size),
+        "Server-Timing": ", ".join(
+            f"{k.removesuffix('_seconds')};dur={v * 1e3:.1f}" for k, v in timings.model_dump().items()
+        ),
+    }
+    for f in task.fields:
+        value = solved.fields[f.name]
+        if value is not None:
+            headers[f.header] = format(value, f.format)
+    return headers
+
+
+async def infer(request: Request, route: TaskRoute, form: Mapping[str, object]) -> Response:
+    """One inference request to ``route``: the form read (``read_form``), the inputs decoded and made
+    into the task's ``Request`` on the codec pool (``prepare``), solved by the engine (``make_job``),
+    the output encoded on the codec pool; the PNG with ``result_headers``, or with
+    ``Accept: application/json`` the route's ``Result`` with the PNG in base64."""
+    svc = _service(request)
+    start = time.monotonic()
+    ticket = request.state.kdeq_ticket  # admitted by the Admission middleware
+    asked = await read_form(request, route, form)
+    task, slot = asked.task, asked.slot
+    try:
+        job_input, decoded = await _on_codec_pool(request, prepare, asked, form["image"])
+    except ApiError as err:
+        if err.error == "too_many_pixels":
+            svc.metrics.rejected.labels("too_many_pixels").inc()
+        raise
+    decoded_at = time.monotonic()
+    deadline = start + svc.settings.request_timeout_seconds
+    job = make_job(route, asked, job_input, deadline, svc.settings.tile_size)
+    solved: Solved = await svc.engine.infer(job, ticket)
+    done_at = time.monotonic()
+    mode = task.output_mode(decoded.mode)
+    alpha = task.output_alpha(job_input, decoded.alpha, list(asked.uploads))
+    png = await _on_codec_pool(request, encode_png, solved.output, mode, alpha)
+    std = None if solved.uncertainty is None else await _on_codec_pool(request, _uncertainty, solved)
+    end = time.monotonic()
+    timings = Timings(
+        decode_seconds=decoded_at - start,
+        queue_seconds=job.started_at - job.enqueued_at,
+        inference_seconds=done_at - job.started_at,
+        encode_seconds=end - done_at,
+        total_seconds=end - start,
+    )
+    record_phases(
+        [
+            ("decode", start, decoded_at),
+            ("queue", job.enqueued_at, job.started_at),
+            ("solve", job.started_at, done_at),
+            ("encode", done_at, end),
+        ],
+        {
+            "model": slot.id,
+            "iterations": solved.iterations,
+            "residual": solved.residual,
+            "converged": solved.converged,
+            "batch_size": job.batch_size,
+        },
+    )
+    headers = result_headers(task, slot, solved, job, timings)
+    if not wants_json(request.headers.get("accept")):
+        return Response(png, media_type=PNG, headers=headers)
+    h, w = task.output_size(job_input)
+    # JSON has no infinity: a diverged solve's residual is reported as null (the header says "inf")
+    residual = solved.residual if math.isfinite(solved.residual) else None
+    body = route.result(
+        model=slot.id,
+        image=base64.b64encode(png).decode(),
+        width=w,
+        height=h,
+        mode=mode,
+        solver=SolverInfo(
+            iterations=solved.iterations,
+            residual=residual,
+            converged=solved.converged,
+            history=None
+            if solved.history is None
+            else [v if math.isfinite(v) else None for v in solved.history],
+        ),
+        lam=solved.lam,
+        batch_size=job.batch_size,
+        timings=timings,
+        uncertainty=std,
+        **solved.fields,
+    )
+    return JSONResponse(body.model_dump(), headers=headers)
+
+
+def add_task_route(router: APIRouter, host: Task) -> None:
+    """``POST /<host>``: the form is ``TaskRoute.form`` (``image``, the task's options and file inputs,
+    ``COMMON_FIELDS``); the answer is ``infer``'s. Where other tasks are variants of ``host``
+    (``choice_of``), its choice's field picks the task, and the route takes their options and file inputs
+    too, each only with the value that picks its task (422 ``misplaced_option`` otherwise).
+
+    The endpoint FastAPI calls is only an adapter: its ``__signature__`` declares the route's own form
+    fields, which FastAPI reads to parse the form and to write the OpenAPI document."""
+    route = TaskRoute.of(host)
+    form = route.form()
+
+    async def endpoint(request: Request, **fields: object) -> Response:
+        return await infer(request, route, fields)
+
+    request = inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request)
+    endpoint.__signature__ = inspect.Signature([request, *form])
     endpoint.__name__ = host.name.replace("-", "_")
-    description = " ".join((host.__doc__ or host.summary).split())
-    if choice is not None:
-        description += "".join(
-            f" With `{choice.field}={value}` (as `{t.route}`): {' '.join((t.__doc__ or t.summary).split())}"
-            for value, t in choice.tasks.items()
-            if t is not host
-        )
     router.add_api_route(
         host.route,
         endpoint,
         methods=["POST"],
         summary=host.summary,
-        description=description,
-        responses=_responses(fields.values(), result_model),
+        description=route.description(),
+        responses=_responses(route.fields.values(), route.result),
         response_class=Response,
-        dependencies=[
-            *AUTH,
-            only_fields(
-                "image",
-                *chooser,
-                *option_fields,
-                *file_specs,
-                "model",
-                "max_iter",
-                "tol",
-                "history",
-                "uncertainty",
-            ),
-        ],
+        dependencies=[*AUTH, only_fields(*(p.name for p in form))],
     )
 
 
@@ -787,7 +865,7 @@ async def page() -> FileResponse:
 
 @functools.lru_cache(maxsize=16)
 def _sample_png(name: str) -> bytes:
-    """The generated image ``name`` (``kdeq.samples.sample_images``) as PNG bytes, made once."""
+    """The generated image ``name`` (``kdeq.images.samples.sample_images``) as PNG bytes, made once."""
     buffer = io.BytesIO()
     Image.fromarray(to_bytes(sample_images()[name])).save(buffer, format="PNG")
     return buffer.getvalue()

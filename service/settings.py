@@ -21,10 +21,10 @@ from pydantic import (
     model_validator,
 )
 
-from kdeq.imageio import MAX_PIXELS, MAX_UNTILED_PIXELS, PIXEL_LIMITS
-from kdeq.predictor import resolve_device
-from kdeq.repository import default_models_dir
-from kdeq.tiling import TILE_SIZE
+from kdeq.images.imageio import MAX_PIXELS, MAX_UNTILED_PIXELS, PIXEL_LIMITS
+from kdeq.models.repository import default_models_dir
+from kdeq.predictors.base import resolve_device
+from kdeq.serving.tiling import TILE_SIZE
 from service.devices import choose_devices
 
 PREFIX = "KDEQ_"
@@ -63,14 +63,14 @@ class Settings(BaseModel):
         description="largest request body, enforced while reading (413 above): a 24-megapixel photo's "
         "PNG is up to ~75 MB",
     )
-    # the limits' defaults and range are kdeq.imageio's, which `kdeq TASK` applies too
+    # the limits' defaults and range are kdeq.images.imageio's, which `kdeq TASK` applies too
     max_pixels: int = Field(
         MAX_PIXELS,
         ge=PIXEL_LIMITS[0],
         le=PIXEL_LIMITS[1],
         description="largest image, width × height, checked before decoding (413 above); a model that "
         "does not solve in tiles takes at most `KDEQ_MAX_UNTILED_PIXELS`. The default is also "
-        "`kdeq TASK --max-pixels`'s (`kdeq.imageio.MAX_PIXELS`)",
+        "`kdeq TASK --max-pixels`'s (`kdeq.images.imageio.MAX_PIXELS`)",
     )
     max_untiled_pixels: int = Field(
         MAX_UNTILED_PIXELS,
@@ -78,16 +78,16 @@ class Settings(BaseModel):
         le=PIXEL_LIMITS[1],
         description="largest image a model that does not solve in tiles (deblur's) takes (413 above): "
         "its solve's memory grows with the image. The default is also `kdeq TASK "
-        "--max-untiled-pixels`'s (`kdeq.imageio.MAX_UNTILED_PIXELS`)",
+        "--max-untiled-pixels`'s (`kdeq.images.imageio.MAX_UNTILED_PIXELS`)",
     )
     tile_size: int = Field(
         TILE_SIZE,
         ge=0,
         le=2**14,
         description="images of more than `KDEQ_TILE_SIZE`² pixels are solved in tiles of about this side "
-        "where the model can (`kdeq.tiling`: every task but deblur; a super-resolver's tiles are this side "
-        "in output pixels), so that memory stays a tile's; 0: never (then `KDEQ_MAX_UNTILED_PIXELS` bounds "
-        "every model)",
+        "where the model can (`kdeq.serving.tiling`: every task but deblur; a super-resolver's tiles are "
+        "this side in output pixels), so that memory stays a tile's; 0: never (then "
+        "`KDEQ_MAX_UNTILED_PIXELS` bounds every model)",
     )
     max_batch_size: int | None = Field(
         None,
@@ -144,34 +144,34 @@ class Settings(BaseModel):
     )
     conv_backend: Literal["auto", "padded", "prepadded", "fft"] = Field(
         "auto",
-        description="how the models' zero-border convolutions run on the CPU (`kdeq.backends`): `auto` "
-        "times `padded`, `prepadded` and (for large filters) `fft` on the first input of each shape class "
-        "(the warm-up's included), keeps the fastest and logs it; a name pins that one",
+        description="how the models' zero-border convolutions run on the CPU (`kdeq.runtime.backends`): "
+        "`auto` times `padded`, `prepadded` and (for large filters) `fft` on the first input of each shape "
+        "class (the warm-up's included), keeps the fastest and logs it; a name pins that one",
     )
     network_precision: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
-        description="the arithmetic of the models' guide networks on the CPU (`kdeq.netprecision`; the "
-        "kernel solves stay IEEE float32): `auto` times a hidden layer in `float32` and `bfloat16` on the "
-        "first input of each shape class (the warm-up's included) and keeps `bfloat16` where it is 1.2× "
+        description="the arithmetic of the models' guide networks on the CPU (`kdeq.runtime.netprecision`; "
+        "the kernel solves stay IEEE float32): `auto` times a hidden layer in `float32` and `bfloat16` on "
+        "the first input of each shape class (the warm-up's included) and keeps `bfloat16` where it is 1.2× "
         "faster (CPUs with bf16 dot products), logging the choice; a name pins that one",
     )
     guided_backend: Literal["auto", "native", "triton", "loop"] = Field(
         "auto",
         description="how the guided kernel's offset loops (its weight maps, `K x`, the non-local means) run: "
-        "on a CPU `auto` compiles `kdeq/native.c` at the first solve (the warm-up's) "
+        "on a CPU `auto` compiles `kdeq/runtime/native.c` at the first solve (the warm-up's) "
         "with the C compiler `CC` (default `cc`) for this CPU, keeps it in `KDEQ_NATIVE_CACHE` (default "
         "`~/.cache/kdeq/native`, else a private folder of the temporary directory) and uses it, or "
         "torch's loops where it does not build, logging which; on a CUDA device `auto` runs Triton's fused "
-        "kernels (`kdeq.fused`, the `gpu` extra), or torch's loops without Triton; `native`, `triton` or "
-        "`loop` pins one",
+        "kernels (`kdeq.maths.fused`, the `gpu` extra), or torch's loops without Triton; `native`, `triton` "
+        "or `loop` pins one",
     )
 
     cuda_graphs: bool = Field(
         False,
         description="on a CUDA device, run each solve's steps as CUDA graph replays, a chunk of steps a "
-        "launch, captured once per model, batch and size class (`kdeq.graphs`), for batches of at most "
-        "512 Ki pixels (`kdeq.adaptive.GATHER_PIXELS`); off (the default until replay is measured on a GPU): "
-        "one step at a time",
+        "launch, captured once per model, batch and size class (`kdeq.maths.graphs`), for batches of at most "
+        "512 Ki pixels (`kdeq.maths.adaptive.GATHER_PIXELS`); off (the default until replay is measured on a "
+        "GPU): one step at a time",
     )
 
     native_cache: Path | None = Field(
@@ -183,15 +183,15 @@ class Settings(BaseModel):
     threads: str = Field(
         "auto",
         pattern=r"^(auto|[1-9][0-9]{0,3})$",
-        description="torch's CPU threads for a batch (`kdeq.threads`): `auto` gives each batch the cores "
-        "that were free since the last one (idle, or this process's), at most the cores the process has "
-        "(its CPU affinity and cgroup quota, not the host's CPUs) — one thread while a neighbour holds "
+        description="torch's CPU threads for a batch (`kdeq.runtime.threads`): `auto` gives each batch the "
+        "cores that were free since the last one (idle, or this process's), at most the cores the process "
+        "has (its CPU affinity and cgroup quota, not the host's CPUs) — one thread while a neighbour holds "
         "every core, where the threads' barriers would each wait out a scheduler slice; a number fixes it",
     )
     malloc: Literal["keep", "system"] = Field(
         "keep",
-        description="the C heap's settings (`kdeq.heap`, glibc only): `keep` reuses freed blocks up to "
-        "32 MiB (a guide network's activations) from the heap instead of mapping fresh memory for each, "
+        description="the C heap's settings (`kdeq.runtime.heap`, glibc only): `keep` reuses freed blocks up "
+        "to 32 MiB (a guide network's activations) from the heap instead of mapping fresh memory for each, "
         "which the kernel faults in page by page, keeps up to 256 MiB free before handing it back (after "
         "a batch of 1 megapixel or more it is handed back at once) and gives the worker threads the main "
         "heap rather than arenas of their own; `system` leaves glibc's own adaptive settings",

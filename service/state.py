@@ -18,9 +18,11 @@ import logging
 import threading
 from typing import Literal
 
-from kdeq import backends, graphs, heap, native, netprecision, threads
-from kdeq.tasks import TASKS, Solved
-from kdeq.tiling import solve_requests
+from kdeq.maths import graphs
+from kdeq.registry import TASKS
+from kdeq.runtime import backends, heap, native, netprecision, threads
+from kdeq.serving.tiling import solve_requests
+from kdeq.tasks.base import Solved
 from service.devices import choose_devices, classify, release_memory, select_device
 from service.engine import Engine, Job
 from service.errors import ApiError, DeviceFailedError
@@ -33,7 +35,7 @@ log = logging.getLogger("kdeq.service")
 Phase = Literal["starting", "ready", "draining", "stopped"]
 Readiness = Literal["ready", "starting", "draining", "stopped", "no_models", "workers_down", "device_failed"]
 
-# the C heap keeps memory freed after a solve for reuse (kdeq.heap), so the resident size would stay
+# the C heap keeps memory freed after a solve for reuse (kdeq.runtime.heap), so the resident size would stay
 # at the largest request's peak and wander with fragmentation; after a batch this large it is handed back
 TRIM_PIXELS = 1 << 20
 

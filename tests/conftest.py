@@ -4,12 +4,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kdeq import native
+from kdeq.runtime import native
 from tests.helpers import require_native
 
 # The guide networks run in float32 throughout the suite, as training runs them (a developer's own
 # setting stands): its tests compare pilots and solves to 1e-5 and closer, which bfloat16, where
-# kdeq.netprecision measures it faster, does not meet. tests/test_netprecision.py measures that
+# kdeq.runtime.netprecision measures it faster, does not meet. tests/test_netprecision.py measures that
 # choice and bounds what it costs a real checkpoint; the service processes the tests start inherit this.
 os.environ.setdefault("KDEQ_NETWORK_PRECISION", "float32")
 
@@ -33,7 +33,7 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(params=["loop", "native"])
 def guided_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """A test on each implementation of the guided kernel's offset loops on the CPU: torch's
-    operations, and ``kdeq.native``'s compiled C (skipped where no C compiler builds it)."""
+    operations, and ``kdeq.runtime.native``'s compiled C (skipped where no C compiler builds it)."""
     if request.param == "native":
         require_native()
     with native.choice.force(request.param):

@@ -2,19 +2,37 @@
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kdeq import native
-from kdeq.psf import parse_psf
+from kdeq.maths.psf import parse_psf
+from kdeq.models.repository import find_model, list_models
+from kdeq.registry import TASKS
+from kdeq.runtime import native
+from kdeq.tasks.base import Request
+
+#: the repository's models, as the service and the command line find them without KDEQ_MODELS_DIR
+MODELS = Path(__file__).resolve().parents[1] / "models"
+
+
+def served(name: str) -> str:
+    """``NAME:VERSION`` of the version of model ``name`` that the service serves when no
+    ``KDEQ_MODELS`` names one: the highest in the repository (``find_model``)."""
+    return f"{name}:{find_model(MODELS, name).name}"
+
+
+def served_models() -> set[str]:
+    """``served`` of every model of the repository."""
+    return {served(name) for name in {entry.name for entry in list_models(MODELS)}}
 
 
 def require_native() -> None:
-    """Skip the calling test, with the reason, where ``kdeq/native.c`` does not build."""
+    """Skip the calling test, with the reason, where ``kdeq/runtime/native.c`` does not build."""
     if native.library() is None:
-        pytest.skip(f"kdeq/native.c does not build here: {native.build_error()}")
+        pytest.skip(f"kdeq/runtime/native.c does not build here: {native.build_error()}")
 
 
 def assert_refinement_alone_retrained(model, base) -> None:
@@ -114,8 +132,9 @@ def predict_arguments(
     ``sigma`` (0–255 scale): the denoiser is told ``sigma``, the inpainter gets half the pixels missing
     (drawn from ``gen``), the segmenter the images alone, the deblurrer a Gaussian PSF and ``sigma``,
     the super-resolver a scale of 2, the photon denoiser counts drawn at a peak of 20 photons, the
-    impulse denoiser the images with a tenth of their pixels salt or pepper and ``sigma``. A new task
-    adds its line here (``KeyError`` until it does)."""
+    impulse denoiser the images with a tenth of their pixels salt or pepper and ``sigma``. A task
+    without a line here is asked as a request of each image with its default options and no other
+    input is (``Task.arguments``: the demosaicker reads the images as RGGB mosaics)."""
     shape = (images.shape[0], 1, *images.shape[-2:])
     arguments = {
         "denoise": lambda: ((images,), {"sigma": sigma}),
@@ -138,4 +157,8 @@ def predict_arguments(
             {"sigma": sigma},
         ),
     }
-    return arguments[task]()
+    if task in arguments:
+        return arguments[task]()
+    own = TASKS[task]
+    requests = [Request(image.cpu().numpy(), own.options()) for image in images]
+    return own.arguments(images, requests, None)

@@ -1,4 +1,4 @@
-"""Zero-border convolution backends (``kdeq.backends``): each against a direct sum, the measured
+"""Zero-border convolution backends (``kdeq.runtime.backends``): each against a direct sum, the measured
 choice, its cache and its pin."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq import backends, netprecision
-from kdeq.backends import BACKENDS, backend_for, choose, conv_zeros, force_backend, shape_class
-from kdeq.conv import conv
+from kdeq.maths.conv import conv
+from kdeq.runtime import backends, netprecision
+from kdeq.runtime.backends import BACKENDS, backend_for, choose, conv_zeros, force_backend, shape_class
 
 F64 = torch.float64
 
@@ -160,7 +160,7 @@ def test_training_pins_a_backend_so_that_a_resumed_run_repeats_its_arithmetic(
     monkeypatch, tmp_path, env, expected
 ) -> None:
     """``kdeq train`` pins the convolution backend and the guide network's precision
-    (``kdeq.netprecision``: float32, so that validation, and the checkpoint it chooses, is the same on
+    (``kdeq.runtime.netprecision``: float32, so that validation, and the checkpoint it chooses, is the same on
     any machine) unless the environment names one; the pins end with the run."""
     from kdeq.train import loop
     from kdeq.train.config import TrainConfig

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from kdeq.cli import test_image as piecewise_image
-from kdeq.initialize import DEFAULT_SPECS, init_checkpoint
-from kdeq.predictor import SolverOverride, pad_images
-from kdeq.repository import find_model, load_predictor
-from kdeq.tasks import TASKS, solve_batch
+from kdeq.models.initialize import DEFAULT_SPECS, init_checkpoint
+from kdeq.models.repository import find_model, load_predictor
+from kdeq.predictors.base import SolverOverride, pad_images
+from kdeq.registry import TASKS
+from kdeq.tasks.base import solve_batch
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 SHAPES = [(40, 52), (33, 47), (48, 48)]

@@ -17,8 +17,8 @@ import pytest
 import torch
 from PIL import Image
 
-from kdeq.operators import Blur
-from kdeq.psf import gaussian_psf, parse_psf
+from kdeq.maths.operators import Blur
+from kdeq.maths.psf import gaussian_psf, parse_psf
 from tests.service_helpers import encode, missing_tool, noisy, run_server, smooth_image, to_uint8
 
 pytestmark = pytest.mark.slow
@@ -144,7 +144,7 @@ def test_each_task_shows_its_result_and_statistics(
     page.wait_for_selector("#stats:not([hidden])", timeout=60_000)
     assert page.locator("#error").is_hidden()
     # 0 iterations are a result too: a Gaussian PSF with the symmetric border is one DCT solve
-    # (kdeq.operators.Sandwich), and the guided denoiser's mean may already meet the tolerance
+    # (kdeq.maths.operators.Sandwich), and the guided denoiser's mean may already meet the tolerance
     assert int(page.inner_text("#stat-iterations")) >= (0 if task in ("deblur", "denoise") else 1)
     assert float(page.inner_text("#stat-residual")) < 1e-2
     assert page.inner_text("#stat-converged") == "yes"

@@ -10,26 +10,20 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from kdeq.checkpoint import CheckpointError, ModelSpec, load_checkpoint, save_checkpoint
-from kdeq.initialize import DEFAULT_SPECS, init_tensors, write_defaults
-from kdeq.kernels import Coregional, Kernel
-from kdeq.repository import default_models_dir, list_models
+from kdeq.maths.kernels import Coregional, Kernel
+from kdeq.models.checkpoint import CheckpointError, ModelSpec, load_checkpoint, save_checkpoint
+from kdeq.models.initialize import DEFAULT_SPECS, init_tensors, write_defaults
+from kdeq.models.repository import VERSION, default_models_dir, list_models
+from kdeq.registry import TASKS
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models"
 
 
 def test_committed_defaults_equal_a_rebuild(tmp_path: Path) -> None:
     built = write_defaults(tmp_path)
-    assert {p.parent.name for p in built} == {
-        "denoise-kglm",
-        "denoise-stationary-kglm",
-        "inpaint-kglm",
-        "segment-kglm",
-        "deblur-kglm",
-        "super-resolve-kglm",
-        "denoise-poisson-kglm",
-        "denoise-impulse-kglm",
-    }
+    # every default spec (one per task at least) is written once, where the repository holds it
+    assert sorted(built) == sorted({tmp_path / s.name / str(s.version) for s in DEFAULT_SPECS})
+    assert {s.task for s in DEFAULT_SPECS} == set(TASKS)
     for folder in built:
         for name in ("config.json", "weights.safetensors"):
             shipped = SHIPPED / folder.parent.name / folder.name / name
@@ -37,41 +31,18 @@ def test_committed_defaults_equal_a_rebuild(tmp_path: Path) -> None:
 
 
 def test_repository_lists_the_shipped_models() -> None:
+    """Every version folder under models/ is listed, by name then version, and loads without an error
+    (what each version is: the model pages, docs/models/)."""
     assert default_models_dir() == SHIPPED
+    on_disk = sorted(
+        (model.name, int(version.name))
+        for model in SHIPPED.iterdir()
+        if model.is_dir()
+        for version in model.iterdir()
+        if VERSION.match(version.name)
+    )
     entries = list_models(SHIPPED)
-    assert [(e.name, e.version, e.error) for e in entries] == [
-        ("deblur-kglm", 1, None),
-        ("deblur-kglm", 2, None),  # the adaptive kernel guided by 1's output, in closed form
-        ("deblur-kglm", 3, None),  # plug-and-play around denoise-kglm:2 (kdeq init --prior)
-        ("denoise-impulse-kglm", 1, None),  # closed form (kdeq init --defaults)
-        ("denoise-impulse-kglm", 2, None),  # denoise-kglm:2's kernel and network (kdeq init --prior)
-        ("denoise-kglm", 1, None),
-        ("denoise-kglm", 2, None),  # the learned guide, trained from 1's kGLM start by kdeq train
-        ("denoise-kglm", 3, None),  # 2's guide pruned to 48 features (kdeq prune), trained by kdeq train
-        ("denoise-kglm", 4, None),  # 3, trained 30 more whole-model epochs (--spec and --warm-start 3)
-        ("denoise-kglm", 5, None),  # 4 with chroma 'prior_mean' (docs/training.md's recipe)
-        ("denoise-kglm", 6, None),  # 5 with its luminance read as a grey image, trained 40 more epochs
-        ("denoise-kglm", 7, None),  # 6 with the non-local refinement, trained in two runs
-        ("denoise-kglm", 8, None),  # 7 with matches aggregated by patch and colour refined, three runs
-        ("denoise-kglm-collab", 1, None),  # x8 with the collaborative filter in its grey refinement
-        ("denoise-kglm-collab", 2, None),  # 1 blending toward the filter by SURE's weight, no training
-        ("denoise-kglm-collab", 3, None),  # 2 with the filter's patches matched in 25×25 windows
-        ("denoise-kglm-collab", 4, None),  # 3 with the filter's patches 9×9
-        ("denoise-kglm-collab", 5, None),  # 4 with the wavelets' first stage beside the DCT's
-        ("denoise-kglm-x8", 1, None),  # denoise-kglm:8 averaged over the square's 8 symmetries
-        ("denoise-poisson-kglm", 1, None),  # closed form (kdeq init --defaults)
-        ("denoise-poisson-kglm", 2, None),  # denoise-kglm:2's network, trained by kdeq train
-        ("denoise-poisson-kglm", 3, None),  # 2, trained 20 more epochs (--spec and --warm-start 2)
-        ("denoise-stationary-kglm", 1, None),
-        ("denoise-stationary-kglm", 2, None),  # fine-tuned from 1 by kdeq train
-        ("inpaint-kglm", 1, None),
-        ("inpaint-kglm", 2, None),  # fine-tuned from 1 by kdeq train
-        ("inpaint-kglm", 3, None),  # the learned mean, trained from 1's kGLM start by kdeq train
-        ("segment-kglm", 1, None),
-        ("segment-kglm", 2, None),  # the learned logit mean, trained from 1's kGLM start by kdeq train
-        ("super-resolve-kglm", 1, None),
-        ("super-resolve-kglm", 2, None),  # the learned mean, trained from 1's kGLM start by kdeq train
-    ]
+    assert [(e.name, e.version, e.error) for e in entries] == [(n, v, None) for n, v in on_disk]
 
 
 @pytest.mark.parametrize("spec", DEFAULT_SPECS, ids=lambda s: s.name)

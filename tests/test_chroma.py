@@ -10,13 +10,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdeq.adaptive import GuidedOperator, guided_gram
-from kdeq.checkpoint import ModelSpec, read_config
 from kdeq.cli import main
-from kdeq.guidenet import opponent
-from kdeq.predictor import SolverOverride
-from kdeq.repository import load_predictor
-from kdeq.uncertainty import posterior
+from kdeq.maths.adaptive import GuidedOperator, guided_gram
+from kdeq.maths.guidenet import opponent
+from kdeq.models.checkpoint import ModelSpec, read_config
+from kdeq.models.repository import load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.uncertainty import posterior
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TIGHT = SolverOverride(tol=1e-9, max_iter=500)

@@ -11,14 +11,14 @@ import pytest
 import torch
 from PIL import Image
 
-from kdeq import batchrun
 from kdeq.cli import LOADED_WHEN_RUN, main
 from kdeq.cli import test_image as piecewise_image
-from kdeq.imageio import read_image, write_png
-from kdeq.initialize import DEFAULT_SPECS
-from kdeq.repository import load_predictor
-from kdeq.samples import SAMPLE_FILES
-from kdeq.tasks import TASKS
+from kdeq.images.imageio import read_image, write_png
+from kdeq.images.samples import SAMPLE_FILES
+from kdeq.models.initialize import DEFAULT_SPECS
+from kdeq.models.repository import load_predictor
+from kdeq.registry import TASKS
+from kdeq.serving import batchrun
 
 
 @pytest.fixture
@@ -265,8 +265,8 @@ def test_a_task_command_loads_none_of_the_trainers_modules_and_they_load_when_as
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``kdeq denoise`` in a fresh interpreter imports neither the trainer's nor the experiments'
-    modules (``kdeq.cli.LOADED_WHEN_RUN``), nor ``kdeq.initialize`` and ``kdeq.samples``; each of those
-    commands still parses its own options."""
+    modules (``kdeq.cli.LOADED_WHEN_RUN``), nor ``kdeq.models.initialize`` and ``kdeq.images.samples``; each
+    of those commands still parses its own options."""
     source = tmp_path / "in.png"
     write_png(source, piecewise_image(32)[0])
     script = (
@@ -277,7 +277,10 @@ def test_a_task_command_loads_none_of_the_trainers_modules_and_they_load_when_as
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     loaded = set(ast.literal_eval(done.stdout.strip().splitlines()[-1]))
     assert "kdeq.tasks" in loaded and (tmp_path / "out.png").exists()
-    lazy = {module for module, _, _ in LOADED_WHEN_RUN.values()} | {"kdeq.initialize", "kdeq.samples"}
+    lazy = {module for module, _, _ in LOADED_WHEN_RUN.values()} | {
+        "kdeq.models.initialize",
+        "kdeq.images.samples",
+    }
     assert not lazy & loaded, lazy & loaded
     for path in LOADED_WHEN_RUN:
         with pytest.raises(SystemExit) as helped:

@@ -1,4 +1,4 @@
-"""``kdeq TASK`` refuses what the service refuses, by the same checks (``kdeq.imageio.open_image``):
+"""``kdeq TASK`` refuses what the service refuses, by the same checks (``kdeq.images.imageio.open_image``):
 each class of bad input, the same file to both, gives the CLI's exit status 2 with one line on
 standard error and the service's 4xx with its JSON error; the pixel limits, the progress line, the
 warning for an image with no noise to remove, and ``kdeq samples --help``."""
@@ -17,10 +17,12 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from kdeq import batchrun, cli, imageio
+from kdeq import cli
 from kdeq.cli import UNRESOLVED_SIGMA, main
-from kdeq.imageio import MAX_PIXELS, MAX_UNTILED_PIXELS, PIXEL_LIMITS, pixel_limit
-from kdeq.noise import estimate_sigma
+from kdeq.images import imageio
+from kdeq.images.imageio import MAX_PIXELS, MAX_UNTILED_PIXELS, PIXEL_LIMITS, pixel_limit
+from kdeq.maths.noise import estimate_sigma
+from kdeq.serving import batchrun
 from service.app import create_app
 from service.settings import Settings, SettingsError
 from tests.service_helpers import (
@@ -52,7 +54,7 @@ MASK = np.zeros((SIDE, SIDE), np.uint8)
 MASK[8:16, 8:24] = 255
 
 
-#: the error codes of the checks ``kdeq.imageio`` makes for both (``load_image``, ``check_mask_size``)
+#: the error codes of the checks ``kdeq.images.imageio`` makes for both (``load_image``, ``check_mask_size``)
 SHARED_CHECKS = (
     "empty_file",
     "unsupported_media_type",
@@ -362,7 +364,7 @@ def test_a_cleared_line_stays_cleared_until_the_next_advance(monkeypatch) -> Non
 
 
 def test_samples_help_lists_every_file_written(tmp_path, capsys) -> None:
-    from kdeq.samples import write_samples
+    from kdeq.images.samples import write_samples
 
     written = [path.name for path in write_samples(tmp_path, size=(32, 32))]
     with pytest.raises(SystemExit) as helped:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import service.routes
-from kdeq.threads import available_cores
+from kdeq.runtime.threads import available_cores
 from service.app import create_app
 from service.settings import Settings
 from tests.service_helpers import MODELS, decode, encode, noisy, smooth_image, to_uint8

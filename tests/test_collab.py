@@ -1,4 +1,4 @@
-"""The collaborative filter (``kdeq.collab``): its transforms against their formulas (the wavelets'
+"""The collaborative filter (``kdeq.maths.collab``): its transforms against their formulas (the wavelets'
 against periodic filtering and their defining properties), its groups against a brute-force search
 over explicit patches (by the compiled selection and by torch's), perfect reconstruction where
 nothing is shrunk, each stage against a float64 computation written out group by group, its reach on
@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq import collab, native
-from kdeq.adaptive import GuidedOperator
-from kdeq.checkpoint import load_checkpoint
-from kdeq.guidenet import Refine
-from kdeq.repository import default_models_dir
-from kdeq.tiling import WINDOW_ALIGN
+from kdeq.maths import collab
+from kdeq.maths.adaptive import GuidedOperator
+from kdeq.maths.guidenet import Refine
+from kdeq.models.checkpoint import load_checkpoint
+from kdeq.models.repository import default_models_dir
+from kdeq.runtime import native
+from kdeq.serving.tiling import WINDOW_ALIGN
 from tests.helpers import assert_refinement_alone_retrained
 
 
@@ -401,7 +402,7 @@ def test_the_refinement_reads_the_filter_for_grey_images_and_the_mean_for_colour
     """``refined_pilot`` with ``estimate = "collaborative"`` hands ``H_φ`` (here a stand-in that records
     its ``ν``) the filter's estimate for a grey image, with the model's window, patches and first
     stage, and the non-local mean for a colour one."""
-    from kdeq import refine as R
+    from kdeq.maths import refine as R
 
     seen = {}
 

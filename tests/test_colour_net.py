@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 from pydantic import ValidationError
 
-from kdeq.checkpoint import ModelSpec, load_checkpoint, save_checkpoint
-from kdeq.denoise import Denoiser
-from kdeq.guidenet import GuideNet, pilot
-from kdeq.initialize import init_checkpoint
-from kdeq.train import train
+from kdeq.maths.guidenet import GuideNet, pilot
+from kdeq.models.checkpoint import ModelSpec, load_checkpoint, save_checkpoint
+from kdeq.models.initialize import init_checkpoint
+from kdeq.predictors.denoise import Denoiser
+from kdeq.train.loop import train
 from kdeq.train.prune import colour_copies
 from tests.test_guidenet import grown_spec, trained_like
 from tests.test_train import small_config
@@ -34,7 +34,7 @@ def test_three_block_copies_of_the_grey_network_give_its_per_channel_pilot() -> 
     sigma = torch.tensor([0.05, 0.2])
     want = pilot(y, base, sigma, t, GREY)  # the grey network, one opponent channel at a time
     assert torch.allclose(pilot(y, base, sigma, t, JOINT), want, atol=1e-5)
-    level = torch.rand(2, 3, generator=gen)  # a tile's whole image's channel means (kdeq.tiling)
+    level = torch.rand(2, 3, generator=gen)  # a tile's whole image's channel means (kdeq.serving.tiling)
     assert torch.allclose(
         pilot(y, base, sigma, t, JOINT, level), pilot(y, base, sigma, t, GREY, level), atol=1e-5
     )

@@ -14,16 +14,16 @@ import pytest
 import torch
 
 from kdeq import SOLVERS, Kernel, SolverConfig, solve
-from kdeq.adaptive import GuidedOperator
-from kdeq.checkpoint import load_checkpoint
-from kdeq.conv import conv
-from kdeq.denoise import Denoiser
-from kdeq.guidenet import REFINE_COLOUR, Refine
-from kdeq.precision import ieee_float32
-from kdeq.predictor import SolverOverride
-from kdeq.repository import default_models_dir, find_model, load_predictor
-from kdeq.solvers import SPLIT_ONLY, SplitMap
-from kdeq.transforms import dct2, idct2
+from kdeq.maths.adaptive import GuidedOperator
+from kdeq.maths.conv import conv
+from kdeq.maths.guidenet import REFINE_COLOUR, Refine
+from kdeq.maths.precision import ieee_float32
+from kdeq.maths.solvers import SPLIT_ONLY, SplitMap
+from kdeq.maths.transforms import dct2, idct2
+from kdeq.models.checkpoint import load_checkpoint
+from kdeq.models.repository import default_models_dir, find_model, load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.denoise import Denoiser
 from tests.helpers import predict_arguments
 from tests.service_helpers import encode, metric, noisy, run_server, smooth_image, to_uint8
 from tests.test_refine import with_refine
@@ -177,7 +177,7 @@ def test_solvers_agree_with_the_cpu_with_few_host_synchronisations(
     """Same fixed point and iterations within 1; the host synchronises a handful of times per solve
     (CG's restart checks), not once per step (``torch.cuda.set_sync_debug_mode``): the eager loop's
     look-ahead, replay off (whatever a service made earlier in the process pinned)."""
-    from kdeq import graphs
+    from kdeq.maths import graphs
 
     monkeypatch.setattr(graphs, "_pinned", False)
     cfg = SolverConfig(method=method, tol=1e-5, max_iter=300, damping=0.3 if method == "fixed_point" else 1.0)
@@ -258,7 +258,8 @@ def test_out_of_memory_is_a_503_and_the_next_request_succeeds_with_memory_back(t
 
 
 def test_one_training_epoch_on_cuda_needs_no_rollback(tmp_path: Path) -> None:
-    from kdeq.train import TrainConfig, train
+    from kdeq.train.config import TrainConfig
+    from kdeq.train.loop import train
     from tests.test_train import smooth_images
 
     train_dir = smooth_images(tmp_path / "train", 6, 40, 0)
@@ -287,7 +288,7 @@ def test_one_training_epoch_on_cuda_needs_no_rollback(tmp_path: Path) -> None:
 
 
 def test_cuda_is_named_by_its_index_and_listed_once() -> None:
-    from kdeq.predictor import resolve_device
+    from kdeq.predictors.base import resolve_device
     from service.settings import Settings, SettingsError
 
     assert resolve_device("cuda") == torch.device("cuda", torch.cuda.current_device())
@@ -332,10 +333,10 @@ if __name__ == "__main__":
 
 
 def test_the_guide_network_in_bfloat16_on_cuda_moves_the_default_denoiser_by_under_a_grey_level() -> None:
-    """Off the CPU ``kdeq.netprecision`` keeps float32 unless pinned; pinned to bfloat16 on the GPU, the
-    default denoiser's output moves by under a grey level from float32's, as on the CPU
+    """Off the CPU ``kdeq.runtime.netprecision`` keeps float32 unless pinned; pinned to bfloat16 on the GPU,
+    the default denoiser's output moves by under a grey level from float32's, as on the CPU
     (``tests/test_netprecision.py``), and its pilot really was rounded (the outputs differ)."""
-    from kdeq import netprecision
+    from kdeq.runtime import netprecision
 
     model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cuda:0")
     args, kwargs = _batch(model.task, 3, (96, 80), 2, 3)
@@ -355,10 +356,10 @@ def test_the_guide_network_in_bfloat16_on_cuda_moves_the_default_denoiser_by_und
 def test_replayed_solves_match_the_eager_ones_and_read_the_host_once_a_chunk(
     method: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``kdeq.graphs``: the same fixed point and counts as the eager CUDA loop (``KDEQ_CUDA_GRAPHS=0``),
+    """``kdeq.maths.graphs``: the same fixed point and counts as the eager CUDA loop (``KDEQ_CUDA_GRAPHS=0``),
     a second solve of the key replays its graphs without capturing again, and a replayed solve
     synchronises the host once a chunk (its done flag), plus the copies out."""
-    from kdeq import graphs
+    from kdeq.maths import graphs
 
     cfg = SolverConfig(method=method, tol=1e-5, max_iter=300, damping=0.3 if method == "fixed_point" else 1.0)
     f, z0 = _affine("cuda", 4)
@@ -381,7 +382,7 @@ def test_replayed_solves_match_the_eager_ones_and_read_the_host_once_a_chunk(
 def test_the_default_denoiser_replayed_is_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped default denoiser on a 256² image: replayed (second request of the size class)
     and eager outputs and counts agree exactly."""
-    from kdeq import graphs
+    from kdeq.maths import graphs
 
     model = load_predictor(find_model(default_models_dir(), "denoise-kglm"), "cuda:0")
     images = torch.rand(1, 1, 256, 256, generator=torch.Generator().manual_seed(5))
@@ -400,7 +401,7 @@ def test_each_device_captures_its_own_graphs(monkeypatch: pytest.MonkeyPatch) ->
     """Every visible device replays its own solve (each captured on its own stream: torch's default
     capture stream belongs to the first device captured, and a capture for another device on it
     records nothing), the same as that device's eager loop, bit for bit."""
-    from kdeq import graphs
+    from kdeq.maths import graphs
 
     cfg = SolverConfig(method="cg", tol=1e-5, max_iter=300)
     graphs.clear()
@@ -422,7 +423,7 @@ def test_a_step_that_reads_the_host_is_refused_in_its_warm_up(
     """A map that reads a value to the host (``.item()``) is caught in the warm-up, before any capture
     (a failed capture would leave the allocator unable to capture again): its key runs eagerly, logged,
     replay stays on for other keys, and the answer is the eager loop's."""
-    from kdeq import graphs
+    from kdeq.maths import graphs
 
     f, z0 = _affine("cuda", 2)
 
@@ -445,13 +446,14 @@ def test_a_step_that_reads_the_host_is_refused_in_its_warm_up(
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_kernels_equal_torchs_loops_on_cuda(dtype) -> None:
-    """``kdeq.fused`` compiled for the GPU (``auto``'s choice there) against torch's loops on the same
+    """``kdeq.maths.fused`` compiled for the GPU (``auto``'s choice there) against torch's loops on the same
     device: the weight maps, ``K x``, ``K̃ x``, the degree and both non-local means at κ = 1 and 3, on
     a padded colour batch whose images cross the kernels' tile edges; float64 to 1e-12 relative,
     float32 to 1e-6 (issue 55's bar) with a floor of float32's rounding of the outputs' scale."""
     pytest.importorskip("triton")
-    from kdeq import fused, native
-    from kdeq.adaptive import apply_weights, guided_weights
+    from kdeq.maths import fused
+    from kdeq.maths.adaptive import apply_weights, guided_weights
+    from kdeq.runtime import native
 
     gen = torch.Generator().manual_seed(12)
     guide = torch.rand(2, 3, 45, 70, generator=gen, dtype=dtype).cuda()
@@ -482,8 +484,8 @@ def test_fused_kernels_equal_torchs_loops_on_cuda(dtype) -> None:
 def test_fused_kernels_gradients_on_cuda() -> None:
     """The fused weights' and ``K x``'s backward kernels, compiled, by finite differences (float64)."""
     pytest.importorskip("triton")
-    from kdeq import fused
-    from kdeq.adaptive import half_offsets
+    from kdeq.maths import fused
+    from kdeq.maths.adaptive import half_offsets
 
     gen = torch.Generator().manual_seed(13)
     offsets = half_offsets(2)

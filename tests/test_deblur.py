@@ -18,15 +18,16 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from scipy import ndimage
 
-from kdeq.adaptive import guided_gram
 from kdeq.cli import main as kdeq_main
-from kdeq.noise import haar_sigma
-from kdeq.operators import Blur
-from kdeq.predictor import SolverOverride
-from kdeq.psf import MAX_PSF_SIDE, parse_psf
-from kdeq.repository import find_model, load_predictor
-from kdeq.tasks import TASKS, Request, solve_batch
-from kdeq.tasks.deblur import Deblurrer
+from kdeq.maths.adaptive import guided_gram
+from kdeq.maths.noise import haar_sigma
+from kdeq.maths.operators import Blur
+from kdeq.maths.psf import MAX_PSF_SIDE, parse_psf
+from kdeq.models.repository import find_model, load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.deblur import Deblurrer
+from kdeq.registry import TASKS
+from kdeq.tasks.base import Request, solve_batch
 from service.app import create_app
 from service.settings import Settings
 from tests.helpers import symmetric_correlation_matrix
@@ -158,7 +159,7 @@ def test_the_guided_deblurrer_is_kernel_ridge_regression_twice(
 ) -> None:
     """Version 2: the pilot is kernel ridge regression with the flat guide's kernel ``k_s/Σk_s``
     (symmetric border), and the output kernel ridge regression with the dense adaptive Gram
-    ``D^{-1/2} K D^{-1/2}`` of the pilot (``kdeq.adaptive.guided_gram``, explicit patch features),
+    ``D^{-1/2} K D^{-1/2}`` of the pilot (``kdeq.maths.adaptive.guided_gram``, explicit patch features),
     with its local average ``D⁻¹K p`` as the mean."""
     deblurrer = guided
     config = json.loads((guided_dir / "config.json").read_text())

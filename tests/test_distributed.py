@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
 
-from kdeq.checkpoint import load_checkpoint
-from kdeq.initialize import GROWN_SPECS
-from kdeq.tasks import TASKS
-from kdeq.train import TrainConfig
-from kdeq.train.data import Corruption, PatchDataset
+from kdeq.models.checkpoint import load_checkpoint
+from kdeq.models.initialize import GROWN_SPECS
+from kdeq.train.config import TrainConfig
+from kdeq.train.data import PatchDataset
 from kdeq.train.loop import distributed_setup
 from kdeq.train.model import TrainableModel, start_tensors
+from kdeq.train.trainings import TRAININGS
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent))
@@ -244,7 +244,8 @@ def test_each_phase_trains_exactly_the_parameters_its_loss_reaches(recipe) -> No
     # the Jacobian-free backward reaches the parameters the implicit one does, without its solve
     model = TrainableModel(spec, start_tensors(spec, "kglm", 0), torch.device("cpu"), "jacobian_free")
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    data = PatchDataset([torch.rand(1, 24, 24)], 12, TASKS[spec.task], Corruption(), 2, seed=0, group=2)
+    training = TRAININGS[spec.task]
+    data = PatchDataset([torch.rand(1, 24, 24)], 12, training, training.knobs(), 2, seed=0, group=2)
     data.set_epoch(1)
     batch = torch.utils.data.default_collate([data[0], data[1]])
     for pilot_only in (True, False, True):

@@ -1,6 +1,6 @@
-"""The lists the docs keep of the code — docs/architecture.md's modules, tasks and commands, and
-docs/client.md's methods — are read against the code itself, so that a module, task or method added
-or removed fails here until the page says so."""
+"""The lists the docs keep of the code — docs/architecture.md's commands and service modules, and
+docs/client.md's methods — are read against the code itself, so that a command, module or method
+added or removed fails here until the page says so (the Layers table's modules: tests/test_layers.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kdeq.client import AsyncClient, Client, method_name
-from kdeq.tasks import TASKS
+from kdeq.registry import TASKS
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = (ROOT / "docs" / "architecture.md").read_text()
@@ -28,30 +28,6 @@ def section(text: str, heading: str) -> str:
 def modules(folder: str, suffixes: tuple[str, ...] = (".py",)) -> set[str]:
     """The file names in ``folder`` (relative to the repository) ending in ``suffixes``."""
     return {p.name for p in (ROOT / folder).iterdir() if p.is_file() and p.name.endswith(suffixes)}
-
-
-def task_modules() -> set[str]:
-    """The module of each registered task, ``kdeq.tasks.<module>``."""
-    return {type(task).__module__.rpartition(".")[2] for task in TASKS.values()}
-
-
-def test_every_kdeq_module_is_in_the_layers_and_every_one_named_exists() -> None:
-    layers = section(ARCHITECTURE, "Layers")
-    named = set(re.findall(r"\bkdeq/(\w+\.(?:py|c))\b", layers))
-    present = modules("kdeq", (".py", ".c")) - {"__init__.py"}
-    assert named == present, f"missing: {present - named}, gone: {named - present}"
-    # the trainer's lines name its files bare, after `kdeq/train/`
-    train = layers.split("kdeq/train/", 1)[1].split("\n    kdeq/", 1)[0]
-    assert set(re.findall(r"\b(\w+\.py)\b", train)) == modules("kdeq/train") - {"__init__.py"}
-
-
-def test_the_task_list_is_the_registry() -> None:
-    layers = section(ARCHITECTURE, "Layers")
-    listed = re.search(r"one file\s+per task \(([^)]*)\)", layers)
-    assert listed, "docs/architecture.md: the kdeq/tasks/ line lists no tasks"
-    names = [n.strip() for n in " ".join(listed[1].split()).split(",")]
-    assert len(names) == len(TASKS) and set(names) == task_modules(), names
-    assert modules("kdeq/tasks") - {"__init__.py", "base.py"} == {f"{n}.py" for n in names}
 
 
 def test_the_command_list_is_the_command_lines() -> None:

@@ -1,4 +1,4 @@
-"""The self-ensemble of the learned networks (``GuideNet.ensemble``, ``kdeq.guidenet.dihedral_mean``):
+"""The self-ensemble of the learned networks (``GuideNet.ensemble``, ``kdeq.maths.guidenet.dihedral_mean``):
 the eight symmetries of the square against numpy's, the mean against the formula written out, its
 equivariance, the 2×2 unshuffle's grid kept on odd sizes and in tiles, each task's network averaged
 through it, the config's values, and the shipped ensemble model against the model it averages.
@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import ValidationError
 
-from kdeq.checkpoint import load_checkpoint
-from kdeq.guidenet import (
+from kdeq.maths.guidenet import (
     DIHEDRAL,
     GuideNet,
     dihedral_mean,
@@ -23,7 +22,8 @@ from kdeq.guidenet import (
     unshuffle,
     upscale_pilot,
 )
-from kdeq.repository import default_models_dir
+from kdeq.models.checkpoint import load_checkpoint
+from kdeq.models.repository import default_models_dir
 from tests.helpers import assert_refinement_alone_retrained
 from tests.test_guidenet import trained_like
 

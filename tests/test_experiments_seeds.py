@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdeq.train import exp_kerdeq as ek
-from kdeq.train import exp_mondeq as em
+from kdeq.research import exp_kerdeq as ek
+from kdeq.research import exp_mondeq as em
 
 
 def parsed(module, *argv: str) -> argparse.Namespace:

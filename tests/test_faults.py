@@ -14,11 +14,12 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
-from kdeq.checkpoint import FixedLambda, ModelSpec, save_checkpoint
-from kdeq.initialize import DEFAULT_SPECS, init_tensors
+from kdeq.models.checkpoint import FixedLambda, ModelSpec, save_checkpoint
+from kdeq.models.initialize import DEFAULT_SPECS, init_tensors
 from service.app import create_app
 from service.registry import ModelRegistry
 from service.settings import Settings
+from tests.helpers import served
 from tests.service_helpers import MODELS, encode, metric, noisy, smooth_image, to_uint8
 
 PNG = encode(to_uint8(noisy(smooth_image(48, 48), 20.0)))
@@ -101,14 +102,14 @@ def test_a_broken_model_file_is_refused_by_name_and_the_rest_serve(tmp_path, cap
     with caplog.at_level(logging.ERROR, logger="kdeq.service"), client(root) as c:
         assert c.app.state.service.wait_loaded(120)
         models = {m["id"]: m for m in c.get("/models").json()}
-        error = models["denoise-kglm:8"]["error"]
-        assert not models["denoise-kglm:8"]["ready"] and reason in error.lower(), error
+        error = models[served("denoise-kglm")]["error"]
+        assert not models[served("denoise-kglm")]["ready"] and reason in error.lower(), error
         assert str(broken) in error
-        assert all(m["ready"] for k, m in models.items() if k != "denoise-kglm:8")
-        assert metric(c.get("/metrics").text, "kdeq_model_ready", model="denoise-kglm:8") == 0
+        assert all(m["ready"] for k, m in models.items() if k != served("denoise-kglm"))
+        assert metric(c.get("/metrics").text, "kdeq_model_ready", model=served("denoise-kglm")) == 0
         assert c.get("/readyz").status_code == 200  # other models are usable
         r = c.post("/denoise", files={"image": PNG})  # the next denoiser by name takes over as the default
-        assert r.status_code == 200 and r.headers["x-kdeq-model"] == "denoise-kglm-collab:5"
+        assert r.status_code == 200 and r.headers["x-kdeq-model"] == served("denoise-kglm-collab")
     assert any(str(broken) in rec.getMessage() for rec in caplog.records)
 
 
@@ -135,7 +136,7 @@ def test_a_pickle_is_never_unpickled(tmp_path) -> None:
     with client(root) as c:
         assert c.app.state.service.wait_loaded(120)
         models = {m["id"]: m for m in c.get("/models").json()}
-        assert not models["segment-kglm:2"]["ready"]
+        assert not models[served("segment-kglm")]["ready"]
     assert not marker.exists()
 
 
@@ -162,7 +163,7 @@ def test_out_of_memory_gives_503_and_the_service_keeps_serving(monkeypatch) -> N
     back-off itself is tested in tests/test_engine.py."""
     with client(MODELS, max_batch_size=8) as c:
         assert c.app.state.service.wait_loaded(120)
-        predictor = c.app.state.service.registry.slots["denoise-kglm:8"].predictors["cpu"]
+        predictor = c.app.state.service.registry.slots[served("denoise-kglm")].predictors["cpu"]
         real, calls = predictor.predict, []
 
         def predict(images, *args, **kwargs):

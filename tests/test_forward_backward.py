@@ -1,8 +1,8 @@
-"""Forward–backward splitting (kdeq.solvers.forward_backward) and the claim that every shipped
-flat-prior kGLM model is a monotone DEQ (kdeq.mondeq; DESIGN §2 fact 11).
+"""Forward–backward splitting (kdeq.maths.solvers.forward_backward) and the claim that every shipped
+flat-prior kGLM model is a monotone DEQ (kdeq.research.mondeq; DESIGN §2 fact 11).
 
 For each shipped model of the Gaussian or Bernoulli family, the equilibria its own solve computes
-on a small image are recorded (``KGLMDEQ.forward`` for the layer models, ``kdeq.operators``'
+on a small image are recorded (``KGLMDEQ.forward`` for the layer models, ``kdeq.maths.operators``'
 ``solve_affine`` for the models observed through an operator ``A``, whose equilibrium is on the
 observation grid with ``K → AKAᵀ``), and for each one:
 
@@ -30,14 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import kdeq.operators
-from kdeq.deq import KGLMDEQ, DEQOutput
-from kdeq.families import Bernoulli, Family, Gaussian, Poisson, Spin, get_family
-from kdeq.mondeq import family_prox, kglm_split
-from kdeq.operators import BlurSubsample
-from kdeq.psf import gaussian_psf
-from kdeq.repository import default_models_dir, load_predictor
-from kdeq.solvers import SolverConfig, SolverStats, SplitMap, forward_backward, solve
+import kdeq.maths.operators
+from kdeq.maths.deq import KGLMDEQ, DEQOutput
+from kdeq.maths.families import Bernoulli, Family, Gaussian, Poisson, Spin, get_family
+from kdeq.maths.operators import BlurSubsample
+from kdeq.maths.psf import gaussian_psf
+from kdeq.maths.solvers import SolverConfig, SolverStats, SplitMap, forward_backward, solve
+from kdeq.models.repository import default_models_dir, load_predictor
+from kdeq.registry import TASKS
+from kdeq.research.mondeq import family_prox, kglm_split
 from tests.tolerances import assert_within, column_gap
 
 EXACT = SolverConfig(method="forward_backward", tol=1e-8, max_iter=20000, atol=1e-30)
@@ -124,7 +125,8 @@ MONOTONE_FAMILIES = {"gaussian", "bernoulli"}
 
 
 #: tasks whose solve is not one kGLM equilibrium: the impulse denoiser's half-quadratic loop reweights
-#: its data term between CG solves, each on the SPD ``I + SK̃S/λ`` (``kdeq.robust``, tests/test_robust.py)
+#: its data term between CG solves, each on the SPD ``I + SK̃S/λ`` (``kdeq.predictors.robust``,
+#: tests/test_robust.py)
 NOT_ONE_EQUILIBRIUM = frozenset({"denoise-impulse"})
 
 
@@ -139,7 +141,8 @@ def _models() -> list[Path]:
 
 
 def _inputs(task: str) -> tuple[tuple[object, ...], dict[str, object]]:
-    """A small grey test image and the task's other arguments."""
+    """A small grey test image and the task's other arguments: a smooth image of the tasks' own
+    (noisy, masked, blurred or subsampled), or the task's warm-up request."""
     gen = torch.Generator().manual_seed(0)
     yy, xx = torch.meshgrid(torch.linspace(0, 1, SIDE), torch.linspace(0, 1, SIDE), indexing="ij")
     img = (0.5 + 0.3 * torch.sin(6 * xx) * torch.cos(4 * yy))[None, None]
@@ -154,7 +157,10 @@ def _inputs(task: str) -> tuple[tuple[object, ...], dict[str, object]]:
         return (noisy, gaussian_psf(1.0)), {"sigma": 5}
     if task == "super-resolve":
         return (img[..., : SIDE // 2, : SIDE // 2],), {"scale": 2}
-    raise AssertionError(f"no test inputs for the {task} task: add them here")
+    # any other task: its own warm-up request (``Task.warmup``), as its predictor takes it
+    t = TASKS[task]
+    request = t.warmup(SIDE)
+    return t.arguments(torch.from_numpy(request.image)[None], [request], None)
 
 
 def _excess(taps: torch.Tensor) -> float:
@@ -185,9 +191,16 @@ class Solve:
         return out if self.mean is None else out + self.mean
 
     def column_map(self, v: torch.Tensor) -> torch.Tensor:
-        """``v ↦ −M W1 M v`` for ``v`` ``(1, k, H, W)``: every shipped map applies one kernel to each
-        channel alike, so ``k`` unit vectors go through as the channels of one image."""
+        """``v ↦ −M W1 M v`` for ``v`` ``(1, k, H, W)`` where the map applies one kernel to each channel
+        alike (``k`` unit vectors go through as the channels of one image), or ``(k, c, H, W)`` where a
+        coregionalised kernel couples the ``c`` channels (``k`` images)."""
         return -self.restrict(self.w1(self.restrict(v)))
+
+    def units(self, rows: torch.Tensor) -> torch.Tensor:
+        """The unit vectors ``rows`` ``(k, n)`` shaped as ``column_map`` takes them."""
+        if self.z.shape[1] == 1:
+            return rows.reshape(1, rows.shape[0], *self.z.shape[2:])
+        return rows.reshape(rows.shape[0], *self.z.shape[1:])
 
     def terms(self, n: int) -> int:
         """The terms along ``W1``'s deepest chain of sums for ``n`` pixels: a filter or guided sum over
@@ -222,13 +235,12 @@ class Solve:
         (computed once: (b) and (c) share it); two columns are checked against one-channel
         applications, which guards the channels-alike assumption."""
         n = self.z[0].numel()
-        grid = self.z.shape[2:]
         eye = torch.eye(n, dtype=self.z.dtype)
-        d = self.column_map(eye.reshape(1, n, *grid)).reshape(n, n).T
+        d = self.column_map(self.units(eye)).reshape(n, n).T
         # the columns' float32 rounding (tolerances.column_gap), not a fixed 1e-6 of the largest entry
         gap = column_gap(d, self.z.dtype, self.terms(n), self.negative_mass)
         for j in (0, n - 1):
-            alone = self.column_map(eye[j].reshape(1, 1, *grid)).reshape(-1)
+            alone = self.column_map(self.units(eye[j : j + 1])).reshape(-1)
             assert_within(d[:, j], alone, gap)
         return d.double()
 
@@ -238,7 +250,7 @@ def _solves(path: Path) -> tuple[Solve, ...]:
     """Every equilibrium the model at ``path`` solves on its task's test inputs, with its default solver."""
     found: list[Solve] = []
     layer_forward = KGLMDEQ.forward
-    operator_solve = kdeq.operators.solve_affine
+    operator_solve = kdeq.maths.operators.solve_affine
 
     def recorded_forward(
         self: KGLMDEQ,
@@ -271,7 +283,7 @@ def _solves(path: Path) -> tuple[Solve, ...]:
     args, kwargs = _inputs(predictor.task)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(KGLMDEQ, "forward", recorded_forward)
-        patch.setattr(kdeq.operators, "solve_affine", recorded_solve)
+        patch.setattr(kdeq.maths.operators, "solve_affine", recorded_solve)
         predictor.predict(*args, **kwargs)
     return tuple(found)
 

@@ -1,5 +1,5 @@
-"""``kdeq.fused``: the guided kernel's Triton kernels, run on the CPU through Triton's interpreter
-(``TRITON_INTERPRET=1``) against torch's loops (``kdeq.adaptive``) and by ``gradcheck``.
+"""``kdeq.maths.fused``: the guided kernel's Triton kernels, run on the CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``) against torch's loops (``kdeq.maths.adaptive``) and by ``gradcheck``.
 
 The interpreter runs a kernel's tile operations one by one in numpy (a few hundred microseconds each),
 so the images are small; they still cross the kernels' tile edges (8 rows, 32 columns), hold padded
@@ -12,9 +12,10 @@ import logging
 import pytest
 import torch
 
-from kdeq import fused, native
-from kdeq.adaptive import GuidedOperator, apply_weights, guided_weights, half_offsets
-from kdeq.kernels import Kernel
+from kdeq.maths import fused
+from kdeq.maths.adaptive import GuidedOperator, apply_weights, guided_weights, half_offsets
+from kdeq.maths.kernels import Kernel
+from kdeq.runtime import native
 from tests.tolerances import gamma, sum_gap, unit_roundoff
 
 pytest.importorskip("triton", reason="the fused kernels need Triton (the gpu extra, in the dev setup)")

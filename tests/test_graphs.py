@@ -1,5 +1,5 @@
-"""The chunked solve of ``kdeq.graphs`` run on the CPU (``replaying_on_cpu``): every step as the solver's
-own loop takes it, the chunks run eagerly over the key's static copies. The capture itself needs a
+"""The chunked solve of ``kdeq.maths.graphs`` run on the CPU (``replaying_on_cpu``): every step as the
+solver's own loop takes it, the chunks run eagerly over the key's static copies. The capture itself needs a
 GPU (``tests/test_cuda.py``)."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq import Kernel, SolverConfig, dense_spectral_norm, graphs, grid_coordinates, solve
-from kdeq.checkpoint import load_checkpoint
-from kdeq.denoise import Denoiser
-from kdeq.repository import default_models_dir, find_model
-from kdeq.solvers import linear_cg
+from kdeq import Kernel, SolverConfig, dense_spectral_norm, grid_coordinates, solve
+from kdeq.maths import graphs
+from kdeq.maths.solvers import linear_cg
+from kdeq.models.checkpoint import load_checkpoint
+from kdeq.models.repository import default_models_dir, find_model
+from kdeq.predictors.denoise import Denoiser
 
 F64 = torch.float64
 #: map evaluations, counted from outside the map's closure (a counter inside it is state the map

@@ -1,4 +1,4 @@
-"""The learned networks (``kdeq.guidenet``): the denoiser's guide, the inpainter's mean and the
+"""The learned networks (``kdeq.maths.guidenet``): the denoiser's guide, the inpainter's mean and the
 segmenter's logit mean. Their pilots against an independent network, the kGLM starts equal to the
 closed-form models, colour through the opponent basis, exact padded batches, the inpainter's
 kernel-ridge correction of its pilot against a dense solve, the segmenter's equilibrium against its
@@ -13,24 +13,25 @@ import pytest
 import torch
 from torch import nn
 
-from kdeq.checkpoint import Checkpoint, CheckpointError, ModelSpec, load_checkpoint, save_checkpoint
 from kdeq.cli import main as kdeq_main
-from kdeq.conv import conv
-from kdeq.denoise import Denoiser
-from kdeq.filters import gaussian_taps, normalized_convolution
-from kdeq.guidenet import GuideNet, inpaint_pilot, opponent, pilot, segment_mean, upscale_pilot
-from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS, init_checkpoint, init_tensors
-from kdeq.inpaint import Inpainter
-from kdeq.operators import BlurSubsample
-from kdeq.predictor import SolverOverride, pad_images
-from kdeq.psf import bicubic_taps, gaussian_psf
-from kdeq.segment import Segmenter, luminance
-from kdeq.tasks import TASKS
-from kdeq.tasks.super_resolve import SuperResolver, degrade, upsample
-from kdeq.train import TrainConfig, train
-from kdeq.train.data import Corruption, image_files, load_images, validation_set
-from kdeq.train.loop import lr_at
+from kdeq.maths.conv import conv
+from kdeq.maths.filters import gaussian_taps, normalized_convolution
+from kdeq.maths.guidenet import GuideNet, inpaint_pilot, opponent, pilot, segment_mean, upscale_pilot
+from kdeq.maths.operators import BlurSubsample
+from kdeq.maths.psf import bicubic_taps, gaussian_psf
+from kdeq.models.checkpoint import Checkpoint, CheckpointError, ModelSpec, load_checkpoint, save_checkpoint
+from kdeq.models.initialize import DEFAULT_SPECS, GROWN_SPECS, init_checkpoint, init_tensors
+from kdeq.predictors.base import SolverOverride, pad_images
+from kdeq.predictors.denoise import Denoiser
+from kdeq.predictors.inpaint import Inpainter
+from kdeq.predictors.segment import Segmenter, luminance
+from kdeq.predictors.super_resolve import SuperResolver, degrade, upsample
+from kdeq.registry import TASKS
+from kdeq.train.config import TrainConfig
+from kdeq.train.data import image_files, load_images, validation_set
+from kdeq.train.loop import lr_at, train
 from kdeq.train.model import TrainableModel, random_tensors
+from kdeq.train.trainings import TRAININGS
 from tests.helpers import binary_shapes, central_difference, denoise_batch, dense_operator
 from tests.test_train import small_config, smooth_images
 
@@ -254,7 +255,8 @@ def test_calibrate_writes_the_best_bandwidth_by_validation(tmp_path: Path) -> No
     report = json.loads((out / "report" / "calibration.json").read_text())
     # each factor's score is the mean PSNR of that bandwidth, recomputed here independently
     images = load_images(image_files([val_dir]), 1)
-    examples = validation_set(images, TASKS["denoise"], Corruption(), (20.0, 40.0), 0)
+    denoise = TRAININGS["denoise"]
+    examples = validation_set(images, denoise, denoise.knobs(), (20.0, 40.0), 0)
     base = load_checkpoint(source)
     for f in factors:
         data = base.config.model_dump()
@@ -664,7 +666,7 @@ def test_a_batch_cut_into_calls_within_the_cpu_budget_gives_the_one_call_s_pilot
     """``N_θ`` runs a CPU batch in calls of at most ``CPU_CALL_BYTES`` of activations (its samples
     are independent): a colour pilot, three opponent channels, cut into calls of one sample equals the
     one call's, and so does its gradient."""
-    import kdeq.guidenet as guidenet
+    import kdeq.maths.guidenet as guidenet
 
     net = GuideNet(depth=4, channels=8)
     tensors = {k: v.requires_grad_() for k, v in net.random_start(seed=3).items()}

@@ -1,4 +1,4 @@
-"""The C heap's thresholds (``kdeq.heap``): freed blocks reused under ``keep``, in processes of their
+"""The C heap's thresholds (``kdeq.runtime.heap``): freed blocks reused under ``keep``, in processes of their
 own (the thresholds are the process's), and the option's parsing where the command line reads it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeq import heap
+from kdeq.runtime import heap
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # come from the main heap under ``keep``; under glibc's own settings from an arena of the thread's.
 BLOCKS = """
 import json, resource, threading, torch
-from kdeq import heap
+from kdeq.runtime import heap
 applied = heap.configure()
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -97,7 +97,7 @@ def test_option_from_the_argument_the_environment_or_keep(monkeypatch) -> None:
 @glibc
 def test_system_after_keep_is_refused() -> None:
     code = (
-        "from kdeq import heap\n"
+        "from kdeq.runtime import heap\n"
         "assert heap.configure('system') is False and heap.configure('keep') is True\n"
         "assert heap.configure('keep') is True\n"
         "try:\n    heap.configure('system')\nexcept ValueError as err:\n    print(err)\n"

@@ -1,6 +1,7 @@
 """``bench/launches.py``: the launches a GPU solve would make, counted on the CPU. Its contract on the
 default denoiser and a small image: the total is the sum of its parts, each fused call of the real path
-is counted as the launches ``kdeq.fused`` makes for it, and a replayed chunk's work is not counted twice."""
+is counted as the launches ``kdeq.maths.fused`` makes for it, and a replayed chunk's work is not counted
+twice."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kdeq import fused, graphs, native
+from kdeq.maths import fused, graphs
+from kdeq.runtime import native
 
 pytest.importorskip(
-    "triton", reason="kdeq.fused's launch path needs Triton (the gpu extra, in the dev setup)"
+    "triton", reason="kdeq.maths.fused's launch path needs Triton (the gpu extra, in the dev setup)"
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +37,7 @@ def denoiser():
 
 
 def _spied(monkeypatch) -> Counter:
-    """Calls of ``kdeq.fused``'s entry points, each still run."""
+    """Calls of ``kdeq.maths.fused``'s entry points, each still run."""
     calls: Counter = Counter()
     for name in ("weights", "apply", "pairs", "patch_pairs"):
         real = getattr(fused, name)

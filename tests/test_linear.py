@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from kdeq import Kernel, SolverConfig
-from kdeq.conv import ScaledConv, conv
-from kdeq.deq import KGLMDEQ
-from kdeq.families import Gaussian
-from kdeq.linear import Negated, solve_affine
-from kdeq.priors import GaussianPrior
-from kdeq.solvers import linear_cg
-from kdeq.transforms import dct2, dct_symbol, dft_symbol, idct2
+from kdeq.maths.conv import ScaledConv, conv
+from kdeq.maths.deq import KGLMDEQ
+from kdeq.maths.families import Gaussian
+from kdeq.maths.linear import Negated, solve_affine
+from kdeq.maths.priors import GaussianPrior
+from kdeq.maths.solvers import linear_cg
+from kdeq.maths.transforms import dct2, dct_symbol, dft_symbol, idct2
 
 F64 = torch.float64
 

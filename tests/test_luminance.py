@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdeq.checkpoint import ModelSpec
-from kdeq.guidenet import GuideNet, opponent, pilot
+from kdeq.maths.guidenet import GuideNet, opponent, pilot
+from kdeq.models.checkpoint import ModelSpec
 from tests.test_guidenet import grown_spec, trained_like
 
 OPPONENT = GuideNet(depth=3, channels=8)

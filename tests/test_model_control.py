@@ -14,7 +14,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from kdeq.repository import load_predictor
+from kdeq.models.repository import load_predictor
 from service import registry
 from service.app import create_app
 from service.settings import Settings

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kdeq.repository import VERSION
+from kdeq.models.repository import VERSION
 from service.registry import ModelRegistry
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from kdeq import Bernoulli, GaussianPrior, grid_coordinates, newton_kglm
-from kdeq.adaptive import guided_gram
-from kdeq.checkpoint import FixedLambda
 from kdeq.cli import psnr
 from kdeq.cli import test_image as piecewise_image
-from kdeq.filters import gaussian_taps, normalized_convolution, separable_blur
-from kdeq.initialize import DEFAULT_SPECS, init_checkpoint
-from kdeq.predictor import SolverOverride, resolve_device
-from kdeq.repository import load_predictor
-from kdeq.segment import otsu_threshold
+from kdeq.maths.adaptive import guided_gram
+from kdeq.maths.filters import gaussian_taps, normalized_convolution, separable_blur
+from kdeq.models.checkpoint import FixedLambda
+from kdeq.models.initialize import DEFAULT_SPECS, init_checkpoint
+from kdeq.models.repository import load_predictor
+from kdeq.predictors.base import SolverOverride, resolve_device
+from kdeq.predictors.segment import otsu_threshold
 from tests.tolerances import gamma
 
 F64 = torch.float64
@@ -143,11 +143,11 @@ def test_otsu_threshold_matches_brute_force_between_class_variance() -> None:
 def test_otsu_thresholds_counted_in_chunks_are_the_whole_histogram_s(monkeypatch) -> None:
     """The histogram counted a few pixels at a time (chunks that split images and rows) gives each
     image's threshold bit for bit."""
-    import kdeq.segment
+    import kdeq.predictors.segment
 
     x = torch.rand(3, 1, 37, 53, generator=torch.Generator().manual_seed(4)) ** 3
     whole = otsu_threshold(x)
-    monkeypatch.setattr(kdeq.segment, "OTSU_CHUNK", 7)
+    monkeypatch.setattr(kdeq.predictors.segment, "OTSU_CHUNK", 7)
     assert torch.equal(otsu_threshold(x), whole)
     assert torch.equal(otsu_threshold(x[1:2]), whole[1:2])
 
@@ -156,12 +156,12 @@ def test_otsu_thresholds_counted_in_chunks_are_the_whole_histogram_s(monkeypatch
 def test_the_blur_is_a_dense_sum_of_mirrored_neighbours_either_way(shape) -> None:
     """``separable_blur`` (the CPU's shifted sums) and the GPU's grouped convolutions, both against
     ``Σ g[i]g[j] x(mirrored)`` summed directly in float64; gradients reach the image and the taps."""
-    import kdeq.filters
+    import kdeq.maths.filters
 
     x = torch.rand(*shape, generator=torch.Generator().manual_seed(5))
     taps = gaussian_taps(1.5)
     r = taps.shape[0] // 2
-    padded = kdeq.filters.mirror_pad(x.double(), r)
+    padded = kdeq.maths.filters.mirror_pad(x.double(), r)
     g = taps.double()
     dense = sum(
         g[i] * g[j] * padded[..., i : i + shape[-2], j : j + shape[-1]]
@@ -172,7 +172,7 @@ def test_the_blur_is_a_dense_sum_of_mirrored_neighbours_either_way(shape) -> Non
     # float64) within γ_{4r+3} of Σ|g_i g_j||x|, not a fixed 1e-6: the taps and x are ≥ 0, so that is dense
     assert bool((g >= 0).all()) and bool((x >= 0).all())
     bound = gamma(2 * (2 * r + 1) + 1, torch.float32) * dense
-    grouped = kdeq.filters._blur_grouped(kdeq.filters.mirror_pad(x, r), taps)
+    grouped = kdeq.maths.filters._blur_grouped(kdeq.maths.filters.mirror_pad(x, r), taps)
     for blurred in (separable_blur(x, taps), grouped):
         error = (blurred.double() - dense).abs()
         assert bool((error <= bound).all()), float((error / bound).max())

@@ -1,4 +1,4 @@
-"""The monotone DEQ (kdeq.mondeq): its parameterisation, forward–backward's contraction, the fixed
+"""The monotone DEQ (kdeq.research.mondeq): its parameterisation, forward–backward's contraction, the fixed
 point and its implicit gradients."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdeq.mondeq import MonotoneDEQ, contraction_bound, monotone_step, symmetric_step
-from kdeq.solvers import SolverConfig, SplitMap, solve
+from kdeq.maths.solvers import SolverConfig, SplitMap, solve
+from kdeq.research.mondeq import MonotoneDEQ, contraction_bound, monotone_step, symmetric_step
 from tests.tolerances import assert_within, gamma, stopped_fixed_point_gap
 
 TIGHT = SolverConfig(method="forward_backward", tol=1e-12, max_iter=5000, atol=1e-30)

@@ -1,5 +1,6 @@
-"""``kdeq.native``: the guided kernel's offset loops compiled, against torch's (``kdeq.adaptive``), and
-its build: cached per source and machine, and a clear fallback where it cannot be built."""
+"""``kdeq.runtime.native``: the guided kernel's offset loops compiled, against torch's
+(``kdeq.maths.adaptive``), and its build: cached per source and machine, and a clear fallback where it
+cannot be built."""
 
 import logging
 import os
@@ -13,9 +14,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kdeq import graphs, native
-from kdeq.adaptive import GuidedOperator, apply_weights, guided_weights
-from kdeq.kernels import Kernel
+from kdeq.maths import graphs
+from kdeq.maths.adaptive import GuidedOperator, apply_weights, guided_weights
+from kdeq.maths.kernels import Kernel
+from kdeq.runtime import native
 from tests.helpers import require_native
 
 F64 = torch.float64
@@ -116,8 +118,8 @@ def test_block_matchings_compiled_selection_is_torchs_bit_for_bit(monkeypatch, i
     a time as ``collab.matches`` calls them: the same scores and members, in the same order, where
     candidates tie too (an image of eight grey levels, a flat one, whose every weight is 1), and the
     same on 1, 2 or 3 threads."""
-    from kdeq import collab
-    from kdeq.adaptive import half_offsets
+    from kdeq.maths import collab
+    from kdeq.maths.adaptive import half_offsets
 
     gen = torch.Generator().manual_seed(11)
     guide = torch.rand(1, 1, 47, 52, generator=gen, dtype=dtype)
@@ -195,7 +197,7 @@ def test_the_service_pins_its_settings(tmp_path, monkeypatch) -> None:
 
 @pytest.fixture
 def fresh(monkeypatch, tmp_path) -> Iterator[None]:
-    """``kdeq.native`` as in a new process, its cache in ``tmp_path``."""
+    """``kdeq.runtime.native`` as in a new process, its cache in ``tmp_path``."""
     monkeypatch.setattr(native, "_library", None)
     monkeypatch.setattr(native, "_failed", None)
     monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
@@ -287,7 +289,7 @@ def test_an_openmp_runtime_the_library_brings_beside_torchs_is_refused(monkeypat
 
 UNALLOCATABLE = """
 import resource, sys, torch
-from kdeq import native
+from kdeq.runtime import native
 assert native.library() is not None  # loaded from the cache before the limit
 width = 1 << 21  # a thread's row buffers: 2 x 8 rows x width floats = 128 MiB
 weights, x = torch.zeros(1, 1, 1, width), torch.zeros(1, 1, 1, width)
@@ -309,4 +311,4 @@ def test_row_buffers_that_cannot_be_allocated_raise_rather_than_leave_rows_uncom
     never written)."""
     run = subprocess.run([sys.executable, "-c", UNALLOCATABLE], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1, run.stderr
-    assert "raised: kdeq.native: a thread's row buffers could not be allocated" in run.stderr
+    assert "raised: kdeq.runtime.native: a thread's row buffers could not be allocated" in run.stderr

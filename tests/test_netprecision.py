@@ -1,4 +1,4 @@
-"""The guide networks' arithmetic (``kdeq.netprecision``): the measured choice, its pins, who is never
+"""The guide networks' arithmetic (``kdeq.runtime.netprecision``): the measured choice, its pins, who is never
 rounded, and what bfloat16 costs a real checkpoint's output."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdeq import autotune, netprecision
 from kdeq.cli import psnr
 from kdeq.cli import test_image as piecewise_smooth
-from kdeq.guidenet import GuideNet, pilot
-from kdeq.netprecision import dtype_for, shape_class
-from kdeq.repository import load_predictor
+from kdeq.maths.guidenet import GuideNet, pilot
+from kdeq.models.repository import load_predictor
+from kdeq.runtime import autotune, netprecision
+from kdeq.runtime.netprecision import dtype_for, shape_class
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 NET = GuideNet(depth=3, channels=8, condition="sigma")
@@ -155,7 +155,7 @@ def test_the_service_pins_its_setting(tmp_path) -> None:
 
 
 def test_the_margin_is_autotunes() -> None:
-    # one rule for both measured choices (kdeq.backends' and this one)
+    # one rule for both measured choices (kdeq.runtime.backends' and this one)
     assert autotune.choose({"float32": 1.19, "bfloat16": 1.0}, tuple(netprecision.DTYPES)) == "float32"
     assert autotune.choose({"float32": 1.21, "bfloat16": 1.0}, tuple(netprecision.DTYPES)) == "bfloat16"
 
@@ -163,7 +163,7 @@ def test_the_margin_is_autotunes() -> None:
 CHOICE = """
 import json
 import torch
-from kdeq import netprecision
+from kdeq.runtime import netprecision
 measured = {}
 measure = netprecision.measure
 netprecision.measure = lambda h, features: measured.setdefault("times", measure(h, features))

@@ -1,4 +1,4 @@
-"""The noise-level estimators (``kdeq.noise``): the colour estimate from the patch covariance's noise
+"""The noise-level estimators (``kdeq.maths.noise``): the colour estimate from the patch covariance's noise
 eigenvalues against numpy on explicit patches, its accuracy where texture fools the Haar estimate, and
 the cases that fall back to the grey one; the grey estimate from the flattest tiles against numpy
 tile by tile, where texture and clipping would fool it. Every test makes its own images."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq.noise import (
+from kdeq.maths.noise import (
     AGREEMENT,
     GROW_WITHIN,
     MIN_PATCHES,

@@ -5,8 +5,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kdeq import adaptive, native
-from kdeq.adaptive import (
+from kdeq.cli import test_image as piecewise_image
+from kdeq.maths import adaptive
+from kdeq.maths.adaptive import (
     GuidedKernel,
     GuidedOperator,
     apply_weights,
@@ -14,9 +15,9 @@ from kdeq.adaptive import (
     guided_weights,
     half_offsets,
 )
-from kdeq.cli import test_image as piecewise_image
-from kdeq.kernels import Kernel
-from kdeq.noise import estimate_sigma
+from kdeq.maths.kernels import Kernel
+from kdeq.maths.noise import estimate_sigma
+from kdeq.runtime import native
 from tests.helpers import require_native
 
 F64 = torch.float64
@@ -25,7 +26,7 @@ F64 = torch.float64
 @pytest.fixture(params=["loop", "native", "gathered"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """Each test below on the CPU's paths (an offset at a time in place, by torch's operations or by
-    ``kdeq.native``'s compiled loops) and on the GPU's (groups of offsets by gathers), which the CPU
+    ``kdeq.runtime.native``'s compiled loops) and on the GPU's (groups of offsets by gathers), which the CPU
     runs as well when told to."""
     if request.param == "native":
         require_native()

@@ -1,4 +1,4 @@
-"""JPEG inputs to the noise estimate (``kdeq.noise``): the quantisation signature told from the pixels
+"""JPEG inputs to the noise estimate (``kdeq.maths.noise``): the quantisation signature told from the pixels
 alone, against the same 8-bit image not compressed; the estimate on noisy images saved as JPEGs by
 Pillow, which the patch estimate reads far low (4:2:0 colour removes the colour differences' noise) and
 the luminance's reads near the noise that denoises best; and non-JPEG images' estimates unchanged.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from kdeq.noise import (
+from kdeq.maths.noise import (
     JPEG_MARGIN,
     LUMA,
     estimate_noise,
@@ -119,7 +119,7 @@ def test_the_estimate_denoises_a_colour_jpeg_as_sigma_given_does() -> None:
     """The default denoiser on a σ = 25 colour image saved at quality 95: with the plain estimate it
     leaves the noise in (several dB below σ given); with ``estimate_sigma``'s it is within 0.5 dB of
     σ given (the estimate's error, within 15 %, costs a few tenths of a dB)."""
-    from kdeq.repository import load_predictor
+    from kdeq.models.repository import load_predictor
 
     model = load_predictor(DENOISER)
     clean = scene(96, 96)

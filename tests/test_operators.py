@@ -12,9 +12,17 @@ from sklearn.kernel_ridge import KernelRidge
 from torch import nn
 
 from kdeq import Gaussian, GaussianPrior, Kernel, SolverConfig, conv_deq, grid_coordinates
-from kdeq.conv import Padding, ScaledConv, conv
-from kdeq.operators import Blur, BlurSubsample, Identity, Operator, Restriction, Sandwich, solve_observed
-from kdeq.psf import (
+from kdeq.maths.conv import Padding, ScaledConv, conv
+from kdeq.maths.operators import (
+    Blur,
+    BlurSubsample,
+    Identity,
+    Operator,
+    Restriction,
+    Sandwich,
+    solve_observed,
+)
+from kdeq.maths.psf import (
     MAX_PSF_SIDE,
     SUPERSAMPLE,
     bicubic_taps,
@@ -228,7 +236,7 @@ def test_blur_dense_matches_scipy_convolution(name: str, border: str, size: tupl
 
 
 def test_symmetric_blur_is_kdeq_conv_with_the_flipped_psf() -> None:
-    """The border rule of ``kdeq.conv`` that the transform path's symbols describe."""
+    """The border rule of ``kdeq.maths.conv`` that the transform path's symbols describe."""
     psf = motion_psf(6.5, 30).double()
     x = torch.randn(2, 3, 10, 11, dtype=F64)
     ref = conv(x.reshape(6, 1, 10, 11), psf.flip(0, 1)[None, None], "symmetric").reshape(2, 3, 10, 11)

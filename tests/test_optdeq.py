@@ -1,13 +1,13 @@
-"""OptEq and KerDEQ layers (kdeq.optdeq) against independent computations: stationarity of their
+"""OptEq and KerDEQ layers (kdeq.research.optdeq) against independent computations: stationarity of their
 energies by autograd, KerDEQ's γ → 0 limit, the patch form as explicit matrices, implicit gradients
-against central differences, and the phantom gradient (kdeq.implicit) against its closed form."""
+against central differences, and the phantom gradient (kdeq.maths.implicit) against its closed form."""
 
 import pytest
 import torch
 
 from kdeq import SolverConfig
-from kdeq.implicit import equilibrium
-from kdeq.optdeq import KerDEQ, OptEq, PatchKerDEQ
+from kdeq.maths.implicit import equilibrium
+from kdeq.research.optdeq import KerDEQ, OptEq, PatchKerDEQ
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
-"""The photon-count denoiser (``kdeq.photon``, task ``denoise-poisson``): its equilibrium against Newton
-on the same Poisson kGLM, convergence from 0.5 to 100 photons, the Anscombe inverse against the
+"""The photon-count denoiser (``kdeq.predictors.photon``, task ``denoise-poisson``): its equilibrium against
+Newton on the same Poisson kGLM, convergence from 0.5 to 100 photons, the Anscombe inverse against the
 exact expectation, its Laplace map against the dense covariance, and counts read as stored from
 8- and 16-bit files by the service and the command line."""
 
@@ -15,17 +15,17 @@ import torch
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from kdeq.checkpoint import Checkpoint, load_checkpoint
 from kdeq.cli import main
-from kdeq.denoise import Denoiser
-from kdeq.families import Poisson
-from kdeq.photon import RATE_FLOOR, PhotonDenoiser, anscombe, inverse_anscombe
-from kdeq.predictor import SolverOverride
-from kdeq.priors import GaussianPrior
-from kdeq.reference import newton_kglm
-from kdeq.repository import find_model, load_predictor
-from kdeq.samples import sample_images
-from kdeq.uncertainty import posterior
+from kdeq.images.samples import sample_images
+from kdeq.maths.families import Poisson
+from kdeq.maths.priors import GaussianPrior
+from kdeq.maths.reference import newton_kglm
+from kdeq.models.checkpoint import Checkpoint, load_checkpoint
+from kdeq.models.repository import find_model, load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.denoise import Denoiser
+from kdeq.predictors.photon import RATE_FLOOR, PhotonDenoiser, anscombe, inverse_anscombe
+from kdeq.predictors.uncertainty import posterior
 from service.app import create_app
 from service.settings import Settings
 from tests.service_helpers import assert_error, encode
@@ -64,7 +64,7 @@ def dense(apply, n: int, shape: tuple[int, ...]) -> torch.Tensor:
 
 def test_equilibrium_is_the_poisson_kglm_minimiser(each: PhotonDenoiser) -> None:
     """The DEQ's rate ``r̂ = e^{η̃}`` against ``exp(Kα + m)`` with ``α`` from Newton (IRLS with a line
-    search, ``kdeq.reference``) on ``Σ [e^η − yη] + (λ/2)αᵀKα``, ``K`` the model's adaptive kernel as a
+    search, ``kdeq.maths.reference``) on ``Σ [e^η − yη] + (λ/2)αᵀKα``, ``K`` the model's adaptive kernel as a
     dense matrix and ``m`` its mean (the kernel's local average of the counts, mixed with the guide
     network's rate by ``β`` where there is one), at a low and a high light level."""
     model = each
@@ -95,7 +95,7 @@ def test_converges_and_denoises_at_every_light_level(each: PhotonDenoiser, peak:
     """Every solve converges within its default cap (100 steps), in at most 5 up to 100 photons, and
     the estimate ``r̂/peak`` is nearer the clean image than the raw counts ``y/peak`` are (mean
     squared error; up to 3000 photons, half as far). The fine-tuned model's solve at 3000 and 10000
-    photons needs Anderson's safeguard (``kdeq.solvers``): without it, it stalled at a residual of
+    photons needs Anderson's safeguard (``kdeq.maths.solvers``): without it, it stalled at a residual of
     1e-2."""
     x = clean(64)
     y = counts(x, peak, seed=int(peak * 10))

@@ -1,4 +1,5 @@
-"""``kdeq.png``: the files Pillow reads back bit for bit, and the Average filter undone independently."""
+"""``kdeq.images.png``: the files Pillow reads back bit for bit, and the Average filter undone
+independently."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from kdeq import png
+from kdeq.images import png
 
 # channels → the mode Pillow reads (16-bit grey is read as I;16)
 MODES = {(1, np.uint8): "L", (2, np.uint8): "LA", (3, np.uint8): "RGB", (4, np.uint8): "RGBA"}

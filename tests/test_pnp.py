@@ -1,4 +1,4 @@
-"""Plug-and-play deblurring (``kdeq.pnp``, the ``pnp`` architecture): the data step against the dense
+"""Plug-and-play deblurring (``kdeq.maths.pnp``, the ``pnp`` architecture): the data step against the dense
 normal equations, the schedule, the whole iteration against a loop written with dense matrices, the
 composed checkpoint (its prior whole, rebuilt bit for bit) and the shipped ``deblur-kglm:3``."""
 
@@ -11,22 +11,28 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq.checkpoint import (
+from kdeq.cli import main as kdeq_main
+from kdeq.maths.operators import Blur
+from kdeq.maths.pnp import data_step, noise_schedule, plug_and_play
+from kdeq.maths.psf import parse_psf
+from kdeq.maths.solvers import SolverConfig, SolverStats
+from kdeq.models.checkpoint import (
     CheckpointError,
     ModelSpec,
     load_checkpoint,
     prior_checkpoint,
     save_checkpoint,
 )
-from kdeq.cli import main as kdeq_main
-from kdeq.denoise import Denoiser
-from kdeq.initialize import DEFAULT_SPECS, PLUG_AND_PLAY_SPECS, RETASKED, compose_checkpoint, init_tensors
-from kdeq.operators import Blur
-from kdeq.pnp import data_step, noise_schedule, plug_and_play
-from kdeq.psf import parse_psf
-from kdeq.repository import load_predictor
-from kdeq.solvers import SolverConfig, SolverStats
-from kdeq.tasks.deblur import Deblurrer
+from kdeq.models.initialize import (
+    DEFAULT_SPECS,
+    PLUG_AND_PLAY_SPECS,
+    RETASKED,
+    compose_checkpoint,
+    init_tensors,
+)
+from kdeq.models.repository import load_predictor
+from kdeq.predictors.deblur import Deblurrer
+from kdeq.predictors.denoise import Denoiser
 from kdeq.train.config import TrainConfig
 from tests.service_helpers import MODELS, smooth_image
 from tests.tolerances import assert_within, dense_solve_error, norm2, observed_solve_error

@@ -1,4 +1,4 @@
-"""IEEE float32 in every kGLM operator (kdeq.precision), and convergence at every noise level."""
+"""IEEE float32 in every kGLM operator (kdeq.maths.precision), and convergence at every noise level."""
 
 import os
 import subprocess
@@ -11,10 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdeq import adaptive, backends, deq, linear, precision, robust
-from kdeq.checkpoint import read_config
 from kdeq.cli import test_image as piecewise_image
-from kdeq.repository import load_predictor
+from kdeq.maths import adaptive, deq, linear, precision
+from kdeq.models.checkpoint import read_config
+from kdeq.models.repository import load_predictor
+from kdeq.predictors import robust
+from kdeq.runtime import backends
 from tests.helpers import predict_arguments
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +60,7 @@ def process_tf32():
 def emulated_cudnn(monkeypatch: pytest.MonkeyPatch, process_tf32: None) -> Iterator[None]:
     """``F.conv2d`` that, like cuDNN on an Ampere or later GPU, rounds its float32 operands to TF32
     when the process's flag allows it (TF32 here, as cuDNN's default is); every zero-border
-    convolution runs through it, as on a GPU (``kdeq.backends`` measures only on the CPU)."""
+    convolution runs through it, as on a GPU (``kdeq.runtime.backends`` measures only on the CPU)."""
     exact = F.conv2d
 
     def conv2d(x: torch.Tensor, w: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -107,7 +109,7 @@ def test_ieee_float32_is_in_force_inside_every_predictors_solve(
 
     monkeypatch.setattr(F, "conv2d", watched("conv2d", F.conv2d))
     monkeypatch.setattr(linear, "linear_cg", watched("linear_cg", linear.linear_cg))
-    # the impulse denoiser's inner solves (kdeq.robust)
+    # the impulse denoiser's inner solves (kdeq.predictors.robust)
     monkeypatch.setattr(robust, "linear_cg", watched("linear_cg", robust.linear_cg))
     monkeypatch.setattr(linear, "transform_solve", watched("transform", linear.transform_solve))
     monkeypatch.setattr(deq, "equilibrium", watched("equilibrium", deq.equilibrium))

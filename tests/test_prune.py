@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdeq.checkpoint import load_checkpoint
 from kdeq.cli import main as kdeq_main
-from kdeq.guidenet import pilot
-from kdeq.imageio import write_png
-from kdeq.repository import default_models_dir, load_predictor
+from kdeq.images.imageio import write_png
+from kdeq.maths.guidenet import pilot
+from kdeq.models.checkpoint import load_checkpoint
+from kdeq.models.repository import default_models_dir, load_predictor
 from kdeq.train.prune import prune, pruned
 
 SOURCE = default_models_dir() / "denoise-kglm" / "2"

@@ -1,4 +1,4 @@
-"""The denoiser's non-local refinement (``kdeq.refine``): the non-local means of the guided kernel's
+"""The denoiser's non-local refinement (``kdeq.maths.refine``): the non-local means of the guided kernel's
 patch distances against a dense float64 computation from explicit patches, the refined pilot against
 the same steps written out with ``nn`` modules, a zero last layer as the model refined from, and the
 option's config, task and training rules."""
@@ -12,16 +12,16 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from torch import nn
 
-from kdeq.adaptive import GuidedKernel, GuidedOperator
-from kdeq.checkpoint import Checkpoint, ModelSpec, load_checkpoint
 from kdeq.cli import main as kdeq_main
-from kdeq.denoise import Denoiser
-from kdeq.filters import mirror_pad
-from kdeq.guidenet import REFINE, REFINE_COLOUR, GuideNet, Refine
-from kdeq.kernels import Kernel
-from kdeq.refine import refined_pilot
-from kdeq.repository import default_models_dir, find_model, load_predictor
-from kdeq.tasks import TASKS
+from kdeq.maths.adaptive import GuidedKernel, GuidedOperator
+from kdeq.maths.filters import mirror_pad
+from kdeq.maths.guidenet import REFINE, REFINE_COLOUR, GuideNet, Refine
+from kdeq.maths.kernels import Kernel
+from kdeq.maths.refine import refined_pilot
+from kdeq.models.checkpoint import Checkpoint, ModelSpec, load_checkpoint
+from kdeq.models.repository import default_models_dir, find_model, load_predictor
+from kdeq.predictors.denoise import Denoiser
+from kdeq.registry import TASKS
 from kdeq.train.model import TrainableModel, start_tensors
 from tests.test_guidenet import grown_spec
 from tests.test_tiling import noisy, solve
@@ -278,7 +278,7 @@ def test_a_refinement_at_its_start_is_the_model_it_refines() -> None:
         for c, y in ((1, grey), (3, colour)):
             out = model.predict(y, sigma=25).output
             assert (out - want[c]).abs().amax() > 1e-3 if c == moves else torch.equal(out, want[c])
-    # without a colour network a colour image is not refined (kdeq.denoise)
+    # without a colour network a colour image is not refined (kdeq.predictors.denoise)
     moved = {n: t for n, t in start.items() if not n.startswith(REFINE_COLOUR)}
     moved[f"{REFINE}_{refine.depth - 1}_bias"] = torch.full((4,), 0.5)
     grey_only = refine.model_copy(update={"colour_channels": None})

@@ -1,4 +1,4 @@
-"""The robust kGLM denoiser (``kdeq.robust``): its fixed point is a stationary point of its energy,
+"""The robust kGLM denoiser (``kdeq.predictors.robust``): its fixed point is a stationary point of its energy,
 it is the plain denoiser without gates, impulses get no weight, and it refuses bad input."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdeq.adaptive import guided_gram
-from kdeq.filters import separable_blur
-from kdeq.noise import estimate_sigma
-from kdeq.predictor import SolverOverride
-from kdeq.repository import default_models_dir, find_model, load_predictor
-from kdeq.robust import ImpulseDenoiser, RobustDenoiser, robust_sigma
-from kdeq.solvers import SolverConfig
+from kdeq.maths.adaptive import guided_gram
+from kdeq.maths.filters import separable_blur
+from kdeq.maths.noise import estimate_sigma
+from kdeq.maths.solvers import SolverConfig
+from kdeq.models.repository import default_models_dir, find_model, load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.robust import ImpulseDenoiser, RobustDenoiser, robust_sigma
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def corrupt(
 
 def dense_energy_gradient(y, z, observed, sigma, gamma, patch):
     """``∇D(z)`` ``(H, W)`` by autograd of ``D`` built from an explicit patch-membership matrix
-    (one grey image ``(H, W)``, float64), independently of ``kdeq.robust.patch_weights``."""
+    (one grey image ``(H, W)``, float64), independently of ``kdeq.predictors.robust.patch_weights``."""
     height, width = y.shape
     member = torch.zeros(height * width, height * width, dtype=torch.float64)
     for i in range(height):

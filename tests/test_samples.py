@@ -1,4 +1,4 @@
-"""``kdeq samples`` writes the files ``kdeq.samples.SAMPLE_FILES`` lists, and the README's examples use
+"""``kdeq samples`` writes the files ``kdeq.images.samples.SAMPLE_FILES`` lists, and the README's examples use
 them as made: the deblur example deblurs the blurred sample with the PSF that blurred it."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 from PIL import Image
 
 from kdeq.cli import main
-from kdeq.operators import Blur
-from kdeq.psf import parse_psf
-from kdeq.samples import BLUR_PSF, SAMPLE_FILES, write_samples
+from kdeq.images.samples import BLUR_PSF, SAMPLE_FILES, write_samples
+from kdeq.maths.operators import Blur
+from kdeq.maths.psf import parse_psf
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

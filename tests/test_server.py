@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx2 as httpx
 import pytest
 
+from tests.helpers import served
 from tests.service_helpers import ROOT, Server, encode, metric, noisy, run_server, smooth_image, to_uint8
 
 
@@ -44,11 +45,11 @@ def test_concurrent_requests_are_batched(server: Server) -> None:
     sizes = [int(r.headers["x-kdeq-batch-size"]) for r in responses]
     assert max(sizes) > 1
     after = httpx.get(server.url + "/metrics").text
-    count = "kdeq_batch_size_count"
-    batches = metric(after, count, model="denoise-kglm:8") - metric(before, count, model="denoise-kglm:8")
+    count, model = "kdeq_batch_size_count", served("denoise-kglm")
+    batches = metric(after, count, model=model) - metric(before, count, model=model)
     assert batches < 8  # fewer batches than requests
-    total = metric(after, "kdeq_batch_size_sum", model="denoise-kglm:8") - metric(
-        before, "kdeq_batch_size_sum", model="denoise-kglm:8"
+    total = metric(after, "kdeq_batch_size_sum", model=model) - metric(
+        before, "kdeq_batch_size_sum", model=model
     )
     assert total == 8
     # batching is exact: a batched result equals the same request solved alone

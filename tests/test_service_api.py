@@ -13,13 +13,17 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from kdeq import scaledpng, tiling
-from kdeq.repository import load_predictor
-from kdeq.tasks import TASKS, solve_batch
-from kdeq.tasks import Request as TaskRequest
-from kdeq.tiling import solve_tiled
+from kdeq.images import scaledpng
+from kdeq.models.repository import load_predictor
+from kdeq.registry import TASKS
+from kdeq.serving import tiling
+from kdeq.serving.tiling import solve_tiled
+from kdeq.tasks.base import Request as TaskRequest
+from kdeq.tasks.base import solve_batch
 from service.app import create_app
+from service.routes import COMMON_FIELDS
 from service.settings import Settings
+from tests.helpers import served, served_models
 from tests.service_helpers import (
     MODELS,
     assert_error,
@@ -60,28 +64,17 @@ def test_health_ready_and_models(client: TestClient) -> None:
     models = {m["id"]: m for m in client.get("/models").json()}
     # the latest version of each model: the deblurrer plug-and-play around the trained denoiser, the
     # others trained from their kGLM start
-    assert set(models) == {
-        "denoise-kglm:8",
-        "denoise-kglm-x8:1",
-        "denoise-kglm-collab:5",
-        "denoise-stationary-kglm:2",
-        "inpaint-kglm:3",
-        "segment-kglm:2",
-        "deblur-kglm:3",
-        "super-resolve-kglm:2",
-        "denoise-poisson-kglm:3",
-        "denoise-impulse-kglm:2",
-    }
+    assert set(models) == served_models()
     assert all(m["ready"] and m["error"] is None and m["devices"] == ["cpu"] for m in models.values())
-    assert models["denoise-kglm:8"]["default"]
-    assert not any(models[k]["default"] for k in ("denoise-kglm-x8:1", "denoise-kglm-collab:5"))
-    assert not models["denoise-stationary-kglm:2"]["default"]
+    assert models[served("denoise-kglm")]["default"]
+    assert not any(models[k]["default"] for k in (served("denoise-kglm-x8"), served("denoise-kglm-collab")))
+    assert not models[served("denoise-stationary-kglm")]["default"]
 
 
 def test_metrics_is_a_plain_route_in_the_text_format(client: TestClient) -> None:
     r = client.get("/metrics", follow_redirects=False)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    for model in ("denoise-kglm:8", "inpaint-kglm:3", "segment-kglm:2"):
+    for model in (served("denoise-kglm"), served("inpaint-kglm"), served("segment-kglm")):
         assert metric(r.text, "kdeq_model_ready", model=model) == 1
     assert metric(r.text, "kdeq_build_info") == 1
 
@@ -98,10 +91,12 @@ def test_metrics_pass_promtool(client: TestClient) -> None:
 
 def test_openapi_documents_every_parameter_and_error(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
+    # every route takes the common fields after its own
+    common = {p.name for p in COMMON_FIELDS}
     expected = {
-        "/denoise": {"image", "noise", "sigma", "peak", "model", "max_iter", "tol", "history", "uncertainty"},
-        "/inpaint": {"image", "mask", "model", "max_iter", "tol", "history", "uncertainty"},
-        "/segment": {"image", "threshold", "output", "model", "max_iter", "tol", "history", "uncertainty"},
+        "/denoise": {"image", "noise", "sigma", "peak", *common},
+        "/inpaint": {"image", "mask", *common},
+        "/segment": {"image", "threshold", "output", *common},
     }
     schemas = spec["components"]["schemas"]
     for path, fields in expected.items():
@@ -127,7 +122,7 @@ def test_denoise_returns_a_cleaner_png_of_the_same_size_and_mode(client: TestCli
     assert out.mode == "L" and out.size == (80, 64)
     gain = psnr(np.asarray(out) / 255.0, clean) - psnr(dirty / 255.0, clean)
     assert gain > 5.0
-    assert r.headers["x-kdeq-model"] == "denoise-kglm:8"
+    assert r.headers["x-kdeq-model"] == served("denoise-kglm")
     assert int(r.headers["x-kdeq-iterations"]) >= 1
     assert float(r.headers["x-kdeq-residual"]) <= 1e-4 and r.headers["x-kdeq-converged"] == "true"
     assert float(r.headers["x-kdeq-sigma"]) == 25.0
@@ -193,7 +188,7 @@ def test_inpaint_fills_missing_pixels_and_keeps_the_rest(client: TestClient) -> 
     out = np.asarray(decode(r.content)).astype(np.float64)
     assert (out[~missing] == clean[~missing]).all()
     assert np.abs(out[missing] - clean[missing]).mean() < 6.0  # 0–255 scale; the holes were 0
-    assert r.headers["x-kdeq-model"] == "inpaint-kglm:3"
+    assert r.headers["x-kdeq-model"] == served("inpaint-kglm")
 
 
 def test_inpaint_reads_holes_from_the_alpha_channel(client: TestClient) -> None:
@@ -239,17 +234,17 @@ def test_segment_mask_and_probability(client: TestClient) -> None:
 
 def test_named_model_and_version(client: TestClient) -> None:
     png, _ = grey_png()
-    for name in ("denoise-stationary-kglm", "denoise-stationary-kglm:2"):
+    for name in ("denoise-stationary-kglm", served("denoise-stationary-kglm")):
         r = client.post("/denoise", files={"image": png}, data={"model": name, "sigma": "20"})
-        assert r.status_code == 200 and r.headers["x-kdeq-model"] == "denoise-stationary-kglm:2"
+        assert r.status_code == 200 and r.headers["x-kdeq-model"] == served("denoise-stationary-kglm")
     # version 1 is in the repository but not loaded (only the latest is, unless KDEQ_MODELS names it)
     r = client.post("/denoise", files={"image": png}, data={"model": "denoise-stationary-kglm:1"})
-    assert r.status_code == 404 and "denoise-stationary-kglm:2" in r.json()["detail"]
+    assert r.status_code == 404 and served("denoise-stationary-kglm") in r.json()["detail"]
 
 
 def test_metrics_move_with_requests(client: TestClient) -> None:
     png, _ = grey_png()
-    labels = {"endpoint": "/denoise", "model": "denoise-kglm:8"}
+    labels = {"endpoint": "/denoise", "model": served("denoise-kglm")}
     before = client.get("/metrics").text
     client.post("/denoise", files={"image": png})
     capped = client.post("/denoise", files={"image": png}, data={"max_iter": "1", "tol": "1e-9"})
@@ -340,7 +335,7 @@ def test_pixel_limit_is_checked_from_the_header() -> None:
 
 def test_images_larger_than_a_tile_are_denoised_in_tiles_as_in_process() -> None:
     """Tiles of 64 (``KDEQ_TILE_SIZE``): a 100×130 colour photo is cut into 6 and answered as
-    ``kdeq.tiling`` answers it in process, to a grey level, and so is the inpainter's, the
+    ``kdeq.serving.tiling`` answers it in process, to a grey level, and so is the inpainter's, the
     segmenter's and the photon denoiser's (its peak from the whole output); the deblurrer, which
     solves whole images only, takes at most ``KDEQ_MAX_UNTILED_PIXELS``, while the others take up to
     ``KDEQ_MAX_PIXELS``."""
@@ -487,12 +482,13 @@ def test_a_broken_model_is_reported_and_the_others_serve(tmp_path, caplog) -> No
     with caplog.at_level("ERROR", logger="kdeq.service"), TestClient(create_app(settings)) as c:
         c.app.state.service.wait_loaded(120)
         models = {m["id"]: m for m in c.get("/models").json()}
-        assert models["denoise-kglm:8"]["ready"]
-        assert not models["segment-kglm:2"]["ready"] and "sha256" in models["segment-kglm:2"]["error"]
+        assert models[served("denoise-kglm")]["ready"]
+        broken = models[served("segment-kglm")]
+        assert not broken["ready"] and "sha256" in broken["error"]
         assert not models["ghost"]["ready"] and "no model 'ghost'" in models["ghost"]["error"]
         text = c.get("/metrics").text
-        assert metric(text, "kdeq_model_ready", model="segment-kglm:2") == 0
-        assert metric(text, "kdeq_model_ready", model="denoise-kglm:8") == 1
+        assert metric(text, "kdeq_model_ready", model=served("segment-kglm")) == 0
+        assert metric(text, "kdeq_model_ready", model=served("denoise-kglm")) == 1
         assert c.get("/readyz").status_code == 200
         assert c.post("/denoise", files={"image": grey_png()[0]}).status_code == 200
         assert_error(c.post("/segment", files={"image": grey_png()[0]}), 404, "no_model")
@@ -552,7 +548,7 @@ def test_each_tasks_sample_is_a_png_its_route_solves(client: TestClient, task: s
     assert r.status_code == 200 and r.headers["content-type"] == "image/png"
     image = Image.open(io.BytesIO(r.content))
     assert image.format == "PNG" and min(image.size) >= 64
-    # the deblurrer is told the blur the sample was made with (kdeq.samples.sample_images)
+    # the deblurrer is told the blur the sample was made with (kdeq.images.samples.sample_images)
     data = {"psf": "gaussian:1.6"} if task == "deblur" else {}
     solved = client.post(TASKS[task].route, files={"image": ("s.png", r.content, "image/png")}, data=data)
     assert solved.status_code == 200, solved.text
@@ -605,9 +601,9 @@ def test_uncertainty_comes_in_json_as_the_librarys_map_and_is_refused_where_it_c
     want = solve_batch(task, predictor, [request])[0].uncertainty.std
     assert np.abs(std - want).max() <= u["scale"] * 0.5 + 1e-6 * want.max()
     models = {m["id"]: m["uncertainty"] for m in client.get("/models").json()}
-    assert models["denoise-kglm:8"] and models["inpaint-kglm:3"] and models["super-resolve-kglm:2"]
-    assert models["segment-kglm:2"]  # Laplace's approximation
-    assert not models["deblur-kglm:3"]  # plug-and-play
+    assert all(models[served(name)] for name in ("denoise-kglm", "inpaint-kglm", "super-resolve-kglm"))
+    assert models[served("segment-kglm")]  # Laplace's approximation
+    assert not models[served("deblur-kglm")]  # plug-and-play
     asked = {"psf": "gaussian:1.6", "uncertainty": "true"}
     refused = client.post("/deblur", files={"image": png}, data=asked, headers=json_accept)
     assert "plug-and-play" in assert_error(refused, 422, "uncertainty_unsupported")["detail"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from kdeq.adaptive import WEIGHT_BUDGET, weight_budget
-from kdeq.predictor import resolve_device
+from kdeq.maths.adaptive import WEIGHT_BUDGET, weight_budget
+from kdeq.predictors.base import resolve_device
 from service.app import create_app
 from service.devices import choose_devices, classify, select_device
 from service.engine import Engine

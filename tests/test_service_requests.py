@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from kdeq.tasks import TASKS
+from kdeq.registry import TASKS
 from service.app import create_app
 from service.metrics import Metrics, task_routes
 from service.routes import STATIC

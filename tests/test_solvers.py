@@ -7,7 +7,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from kdeq import SOLVERS, Kernel, SolverConfig, dense_spectral_norm, grid_coordinates, solve, solvers
+from kdeq import SOLVERS, Kernel, SolverConfig, dense_spectral_norm, grid_coordinates, solve
+from kdeq.maths import solvers
 
 F64 = torch.float64
 METHODS = sorted(SOLVERS)

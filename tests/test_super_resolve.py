@@ -18,12 +18,13 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from kdeq.cli import main as kdeq_main
-from kdeq.operators import BlurSubsample
-from kdeq.predictor import SolverOverride
-from kdeq.psf import bicubic_taps
-from kdeq.repository import find_model, load_predictor
-from kdeq.tasks import TASKS, solve_batch
-from kdeq.tasks.super_resolve import SuperResolver, upsample
+from kdeq.maths.operators import BlurSubsample
+from kdeq.maths.psf import bicubic_taps
+from kdeq.models.repository import find_model, load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.super_resolve import SuperResolver, upsample
+from kdeq.registry import TASKS
+from kdeq.tasks.base import solve_batch
 from service.app import create_app
 from service.settings import Settings
 from tests.helpers import symmetric_correlation_matrix

@@ -1,4 +1,4 @@
-"""Stein's unbiased risk estimate of a blend (``kdeq.sure``) and the denoiser that blends by it
+"""Stein's unbiased risk estimate of a blend (``kdeq.maths.sure``) and the denoiser that blends by it
 (``Refine.blend = "sure"``, ``denoise-kglm-collab:2``)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kdeq import sure
-from kdeq.checkpoint import load_checkpoint
-from kdeq.guidenet import Refine
-from kdeq.repository import default_models_dir, load_predictor
+from kdeq.maths import sure
+from kdeq.maths.guidenet import Refine
+from kdeq.models.checkpoint import load_checkpoint
+from kdeq.models.repository import default_models_dir, load_predictor
 from tests.helpers import dense_operator
 from tests.test_collab import psnr, stripes
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,16 +17,18 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from pydantic import ValidationError
 
-from kdeq.checkpoint import ModelSpec
 from kdeq.cli import main as kdeq_main
-from kdeq.initialize import DEFAULT_SPECS
-from kdeq.tasks import TASKS, Task, Variant, choice_of, register_task
-from kdeq.tasks.base import Options
+from kdeq.models.checkpoint import ModelSpec
+from kdeq.models.initialize import DEFAULT_SPECS
+from kdeq.registry import TASKS, choice_of, register_task
+from kdeq.tasks.base import Options, Task, Variant
 from service.app import create_app
 from service.metrics import INFERENCE_ROUTES
 from service.middleware import PROTECTED_ROUTES
 from service.settings import Settings
 from tests.service_helpers import MODELS, encode, smooth_image, to_uint8
+
+ROOT = Path(__file__).resolve().parents[1]
 
 KEY = "s3cret"
 
@@ -129,6 +136,60 @@ def test_a_spec_of_an_unregistered_task_is_refused() -> None:
     raw = DEFAULT_SPECS[1].model_dump() | {"task": "sharpen"}
     with pytest.raises(ValidationError, match="unknown task 'sharpen'"):
         ModelSpec.model_validate(raw)
+
+
+def test_a_new_task_module_is_a_route_a_command_and_a_client_method_with_no_other_edit(tmp_path) -> None:
+    """A task is one module in ``kdeq.tasks``: one more there (here from a folder added to the package's
+    path, an image inverter on the denoiser's predictor) is registered beside the shipped tasks, and is
+    a route with its options in the OpenAPI document, a subcommand and a client method."""
+    (tmp_path / "invert.py").write_text(
+        textwrap.dedent(
+            """
+            from pydantic import Field
+
+            from kdeq.predictors.denoise import Denoiser
+            from kdeq.tasks.base import Options, Task
+
+
+            class InvertOptions(Options):
+                gain: float = Field(1.0, gt=0, description="how far to invert")
+
+
+            class Invert(Task):
+                name = "invert"
+                summary = "Invert an image"
+                predictor = Denoiser
+                options = InvertOptions
+            """
+        )
+    )
+    script = textwrap.dedent(
+        f"""
+        import contextlib, io, json
+        import kdeq.tasks
+        kdeq.tasks.__path__.append({str(tmp_path)!r})
+        from kdeq.registry import TASKS
+        from kdeq.cli import main
+        from kdeq.client import Client
+        from service.app import create_app
+        from service.settings import Settings
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            main(["invert", "--help"])
+        app = create_app(Settings(models_dir={str(MODELS)!r}, device=("cpu",), warmup=False))
+        schemas = app.openapi()["components"]["schemas"]
+        form = schemas["Body_invert_invert_post"]["properties"]
+        print(json.dumps([list(TASKS), hasattr(Client, "invert"), "--gain" in out.getvalue(), form]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    names, method, option, form = json.loads(done.stdout.splitlines()[-1])
+    # after the shipped tasks without a variant, before the variants
+    assert [n for n in names if n != "invert"] == list(TASKS) and "invert" in names
+    assert all(TASKS[n].variant is None for n in names[: names.index("invert")])
+    assert method and option
+    assert {"image", "gain", "model"} <= set(form)
 
 
 def test_a_task_name_registers_once() -> None:

@@ -1,4 +1,4 @@
-"""Torch's threads sized to the free cores (``kdeq.threads``): the cores a process has (affinity,
+"""Torch's threads sized to the free cores (``kdeq.runtime.threads``): the cores a process has (affinity,
 cgroup quota), the free cores between two readings, the decision and its pins, and every task's
 request under a neighbour that holds every core, against its quiet time measured beside it."""
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from kdeq import threads
-from kdeq.tasks import TASKS
+from kdeq.registry import TASKS
+from kdeq.runtime import threads
 from tests.service_helpers import Server, run_server
 
 

@@ -1,4 +1,4 @@
-"""Tiled solves (``kdeq.tiling``): the tiles' geometry, the denoiser's reach, and tiled against
+"""Tiled solves (``kdeq.serving.tiling``): the tiles' geometry, the denoiser's reach, and tiled against
 untiled results."""
 
 from collections.abc import Callable, Iterable, Iterator
@@ -8,23 +8,26 @@ import numpy as np
 import pytest
 import torch
 
-from kdeq import backends, collab, tiling
 from kdeq.cli import main
 from kdeq.cli import test_image as piecewise_image
-from kdeq.denoise import Denoiser
-from kdeq.families import Bernoulli, Gaussian
-from kdeq.filters import normalized_convolution
-from kdeq.guidenet import segment_mean
-from kdeq.imageio import read_image, write_png
-from kdeq.operators import BlurSubsample, KernelMap
-from kdeq.photon import RATE_FLOOR, PhotonDenoiser, WholeImage
-from kdeq.predictor import SolverOverride
-from kdeq.psf import bicubic_taps
-from kdeq.repository import default_models_dir, find_model, load_predictor
-from kdeq.robust import RobustDenoiser, patch_weights
-from kdeq.tasks import TASKS, Request, Solved, solve_batch
-from kdeq.tasks.super_resolve import degrade, upsample
-from kdeq.tiling import ALIGN, WINDOW_ALIGN, solve_tiled, spans, tiled, tiles
+from kdeq.images.imageio import read_image, write_png
+from kdeq.maths import collab
+from kdeq.maths.families import Bernoulli, Gaussian
+from kdeq.maths.filters import normalized_convolution
+from kdeq.maths.guidenet import segment_mean
+from kdeq.maths.operators import BlurSubsample, KernelMap
+from kdeq.maths.psf import bicubic_taps
+from kdeq.models.repository import default_models_dir, find_model, load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.denoise import Denoiser
+from kdeq.predictors.photon import RATE_FLOOR, PhotonDenoiser, WholeImage
+from kdeq.predictors.robust import RobustDenoiser, patch_weights
+from kdeq.predictors.super_resolve import degrade, upsample
+from kdeq.registry import TASKS
+from kdeq.runtime import backends
+from kdeq.serving import tiling
+from kdeq.serving.tiling import ALIGN, WINDOW_ALIGN, solve_tiled, spans, tiled, tiles
+from kdeq.tasks.base import Request, Solved, solve_batch
 
 DENOISE = TASKS["denoise"]
 
@@ -201,8 +204,8 @@ def test_the_ensemble_denoiser_tiled_matches_the_untiled_solve_on_odd_sides() ->
 
 @pytest.mark.usefixtures("guided_backend")
 def test_the_collaborative_denoiser_reads_a_grey_image_within_its_reach() -> None:
-    """``denoise-kglm-collab:1`` filters a grey image collaboratively (``kdeq.collab``) for its mean: the
-    filter reads up to ``collab.reach()`` pixels away, within the model's reach."""
+    """``denoise-kglm-collab:1`` filters a grey image collaboratively (``kdeq.maths.collab``) for its mean:
+    the filter reads up to ``collab.reach()`` pixels away, within the model's reach."""
     model = shipped("denoise-kglm-collab", 1)
     rho = model.reach
     assert rho >= collab.reach() + 2 * model.config.architecture.net.refine.depth + 1
@@ -233,7 +236,7 @@ def test_a_wider_search_and_larger_patches_widen_the_collaborative_denoisers_rea
 
 
 def test_the_blended_collaborative_denoiser_tiled_blends_each_tile_by_its_own_weight() -> None:
-    """``denoise-kglm-collab:2`` moves toward the filter by one weight per image (``kdeq.sure``), so a
+    """``denoise-kglm-collab:2`` moves toward the filter by one weight per image (``kdeq.maths.sure``), so a
     tile blends by its own: not the whole image's equations, but within 0.01 dB of the untiled PSNR on
     a piecewise-smooth image and on stripes (where the blend is worth ~5 dB over version 1)."""
     from tests.test_collab import stripes
@@ -264,7 +267,7 @@ def test_the_stationary_denoiser_tiled_at_its_default_halo_matches_the_untiled_s
 
 
 def test_a_nan_residual_is_not_hidden_by_the_other_tiles(default, monkeypatch) -> None:
-    import kdeq.tiling as tiling
+    import kdeq.serving.tiling as tiling
 
     calls = iter(range(100))
 
@@ -293,7 +296,7 @@ def test_an_estimated_level_above_255_is_given_to_the_tiles_as_255(default) -> N
 
 
 def test_tiles_per_call_keep_within_the_pixel_budget(default, monkeypatch) -> None:
-    import kdeq.tiling as tiling
+    import kdeq.serving.tiling as tiling
 
     sizes: list[int] = []
     real = tiling.solve_batch
@@ -535,7 +538,7 @@ def salted(image: np.ndarray, rate: float, seed: int) -> np.ndarray:
 def impulse_equation(robust: RobustDenoiser, y: torch.Tensor, at) -> torch.Tensor:
     """What pixel ``at``'s stationarity condition reads of ``y`` ``(1, c, H, W)`` at σ = 25, the level
     fixed: ``K̃`` applied to a fixed probe ``z`` and to ``y``, ``m``, and ``λ(z − m) + K̃ W(z)(z − y)``
-    at ``at`` (``kdeq.robust``: ``K̃∇E``)."""
+    at ``at`` (``kdeq.predictors.robust``: ``K̃∇E``)."""
     with torch.inference_mode():
         problem = robust.problem(y, 25.0, torch.full(y.shape[:2], 0.5))
         probe = torch.linspace(0, 1, y.numel()).reshape(y.shape)

@@ -10,10 +10,12 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from kdeq.checkpoint import ModelSpec, load_checkpoint, save_checkpoint
 from kdeq.cli import main as kdeq_main
-from kdeq.denoise import Denoiser
-from kdeq.initialize import (
+from kdeq.maths.operators import Blur, BlurSubsample
+from kdeq.maths.psf import bicubic_taps, parse_psf
+from kdeq.maths.spectral import circular_spectral_norm
+from kdeq.models.checkpoint import ModelSpec, load_checkpoint, save_checkpoint
+from kdeq.models.initialize import (
     DEFAULT_SPECS,
     GROWN_SPECS,
     PLUG_AND_PLAY_SPECS,
@@ -21,17 +23,15 @@ from kdeq.initialize import (
     init_checkpoint,
     init_tensors,
 )
-from kdeq.operators import Blur, BlurSubsample
-from kdeq.predictor import SolverOverride
-from kdeq.psf import bicubic_taps, parse_psf
-from kdeq.repository import load_predictor
-from kdeq.spectral import circular_spectral_norm
-from kdeq.tasks import TASKS, Task
-from kdeq.tasks.super_resolve import degrade
-from kdeq.train import TrainConfig, TrainingError, train
-from kdeq.train import init_compare as ic
+from kdeq.models.repository import load_predictor
+from kdeq.predictors.base import SolverOverride
+from kdeq.predictors.denoise import Denoiser
+from kdeq.predictors.super_resolve import degrade
+from kdeq.registry import TASKS
+from kdeq.research import init_compare as ic
+from kdeq.tasks.base import Task
+from kdeq.train.config import TrainConfig
 from kdeq.train.data import (
-    Corruption,
     PatchDataset,
     binary_target,
     block_mask,
@@ -43,16 +43,24 @@ from kdeq.train.data import (
     stroke_mask,
     validation_set,
 )
-from kdeq.train.loop import lr_at
+from kdeq.train.loop import TrainingError, lr_at, train
 from kdeq.train.model import TrainableModel, psd_shift, random_tensors, start_tensors, symmetrize
 from kdeq.train.objectives import iou, psnr
+from kdeq.train.tasks.base import Knobs
+from kdeq.train.trainings import TRAININGS
 from tests.helpers import binary_shapes, central_difference, denoise_batch, dense_operator
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = {s.name: s for s in DEFAULT_SPECS}
 GROWN = {s.name: s for s in GROWN_SPECS}
-#: the default specs of the tasks that train (``Task.missing_training_hooks``)
-TRAINABLE = sorted(name for name, s in SPECS.items() if not TASKS[s.task].missing_training_hooks)
+#: the default specs of the tasks that train (``kdeq.train.trainings.TRAININGS``)
+TRAINABLE = sorted(name for name, s in SPECS.items() if s.task in TRAININGS)
+
+
+def knobs(task: str, **values: object) -> Knobs:
+    """``task``'s training's knobs: ``values`` where it has the knob, the defaults elsewhere."""
+    model = TRAININGS[task].knobs
+    return model(**{k: v for k, v in values.items() if k in model.model_fields})
 
 
 def circular_matrix(bank: torch.Tensor, n: int) -> torch.Tensor:
@@ -189,14 +197,14 @@ def test_the_trainable_start_is_the_shipped_model(name: str) -> None:
     task's examples, and exporting without training writes back the spec and tensors the start
     came from."""
     spec = SPECS[name]
-    task = TASKS[spec.task]
+    task = TRAININGS[spec.task]
     model = TrainableModel(spec, start_tensors(spec, "kglm", 0), torch.device("cpu"))
     shipped = load_predictor(ROOT / "models" / name / str(spec.version))
     clean = torch.rand(2, 1, 20, 24, generator=torch.Generator().manual_seed(1))
     # one step's examples: what the predictor takes once per call (a PSF, a scale) is shared
     examples = [
         task.corrupt(
-            x, sample_generator(1, 0, i), Corruption(sigma=(2.0, 10.0)), shared=step_generator(1, 0, 0)
+            x, sample_generator(1, 0, i), knobs(spec.task, sigma=(2.0, 10.0)), shared=step_generator(1, 0, 0)
         )
         for i, x in enumerate(clean)
     ]
@@ -247,7 +255,7 @@ def test_random_init_matches_the_kglm_spectral_norms() -> None:
 
 def test_samples_are_a_function_of_seed_epoch_and_index() -> None:
     images = [torch.rand(1, 50, 60, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    ds = PatchDataset(images, 16, TASKS["denoise"], Corruption(), 8, seed=5)
+    ds = PatchDataset(images, 16, TRAININGS["denoise"], knobs("denoise"), 8, seed=5)
     ds.set_epoch(2)
     a = ds[3]
     ds.set_epoch(1)
@@ -262,7 +270,7 @@ def test_samples_are_a_function_of_seed_epoch_and_index() -> None:
 
 def test_denoise_corruption_has_the_drawn_noise_level() -> None:
     clean = torch.full((1, 128, 128), 0.5)
-    ex = TASKS["denoise"].corrupt(clean, sample_generator(0, 0, 0), Corruption(sigma=(20.0, 30.0)))
+    ex = TRAININGS["denoise"].corrupt(clean, sample_generator(0, 0, 0), knobs("denoise", sigma=(20.0, 30.0)))
     assert 20.0 <= float(ex["sigma"]) <= 30.0
     assert float((ex["noisy"] - clean).std()) * 255 == pytest.approx(float(ex["sigma"]), rel=0.05)
 
@@ -271,7 +279,7 @@ def test_poisson_corruption_counts_photons_at_a_log_uniform_peak() -> None:
     """``counts ~ Poisson(peak·clean)``: whole non-negative numbers whose mean and variance are both
     ``peak·x`` on a flat patch; the peaks' logarithms spread evenly over the range (their quartiles),
     and a validation level is the peak itself."""
-    task, settings = TASKS["denoise-poisson"], Corruption(peaks=(1.0, 64.0))
+    task, settings = TRAININGS["denoise-poisson"], knobs("denoise-poisson", peaks=(1.0, 64.0))
     clean = torch.full((1, 128, 128), 0.25)
     logs = []
     for i in range(400):
@@ -322,16 +330,17 @@ def test_a_steps_samples_share_what_the_predictor_takes_once() -> None:
     """Samples of one step (``group`` indices, past ``length`` too) share their PSF (deblur) and scale
     (super-resolve); other steps draw their own."""
     images = [torch.rand(1, 50, 60, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-    settings = Corruption(sigma=(1.0, 5.0), scales=(2, 3, 4))
-    deblur = PatchDataset(images, 24, TASKS["deblur"], settings, 10, seed=5, group=4)
-    sr = PatchDataset(images, 24, TASKS["super-resolve"], settings, 10, seed=5, group=4)
+    deblur = PatchDataset(
+        images, 24, TRAININGS["deblur"], knobs("deblur", sigma=(1.0, 5.0)), 10, seed=5, group=4
+    )
+    sr = PatchDataset(images, 24, TRAININGS["super-resolve"], knobs("super-resolve"), 10, seed=5, group=4)
     psfs, scales = [], []
     for step in range(6):  # 24 indices for 10 samples: the epoch wraps
         batch = torch.utils.data.default_collate([deblur[i] for i in range(4 * step, 4 * step + 4)])
-        assert TASKS["deblur"].predictor_inputs(batch)[1].shape[-1] % 2 == 1
+        assert TRAININGS["deblur"].predictor_inputs(batch)[1].shape[-1] % 2 == 1
         psfs.append(batch["psf"][0])
         batch = torch.utils.data.default_collate([sr[i] for i in range(4 * step, 4 * step + 4)])
-        scales.append(TASKS["super-resolve"].predictor_inputs(batch)[1])
+        scales.append(TRAININGS["super-resolve"].predictor_inputs(batch)[1])
     assert len({tuple(p.flatten().tolist()) for p in psfs}) > 1 and len(set(scales)) > 1
     # a wrapped index is its sample's twin, except for what its own step shares
     a, b = deblur[1], deblur[11]
@@ -339,24 +348,28 @@ def test_a_steps_samples_share_what_the_predictor_takes_once() -> None:
     line = parse_psf("motion:5")
     mixed = {"blurred": torch.rand(2, 1, 8, 8), "psf": torch.stack([line, line.T]), "sigma": torch.ones(2)}
     with pytest.raises(ValueError, match="shares one PSF"):
-        TASKS["deblur"].predictor_inputs(mixed)
+        TRAININGS["deblur"].predictor_inputs(mixed)
 
 
 def test_deblur_examples_are_blurred_by_their_psf_with_the_drawn_noise() -> None:
     clean = torch.rand(1, 96, 96, generator=torch.Generator().manual_seed(2))
-    settings = Corruption(sigma=(20.0, 30.0), psfs=("gaussian:1.6", "motion:9,90"))
-    ex = TASKS["deblur"].corrupt(clean, sample_generator(0, 0, 0), settings, shared=step_generator(0, 0, 0))
+    settings = knobs("deblur", sigma=(20.0, 30.0), psfs=("gaussian:1.6", "motion:9,90"))
+    ex = TRAININGS["deblur"].corrupt(
+        clean, sample_generator(0, 0, 0), settings, shared=step_generator(0, 0, 0)
+    )
     assert any(torch.equal(ex["psf"], parse_psf(name)) for name in settings.psfs)
     noise = ex["blurred"] - Blur(ex["psf"], "symmetric").forward(clean[None])[0]
     assert 20.0 <= float(ex["sigma"]) <= 30.0
     assert float(noise.std()) * 255 == pytest.approx(float(ex["sigma"]), rel=0.05)
-    val = TASKS["deblur"].corrupt(clean, sample_generator(0, -1, 0), settings, level=1.0)
+    val = TRAININGS["deblur"].corrupt(clean, sample_generator(0, -1, 0), settings, level=1.0)
     assert torch.equal(val["psf"], parse_psf("motion:9,90")) and float(val["sigma"]) == 25.0
 
 
 def test_super_resolve_examples_are_the_bicubic_degradation_of_a_cropped_target() -> None:
     clean = torch.rand(1, 50, 49, generator=torch.Generator().manual_seed(3))
-    ex = TASKS["super-resolve"].corrupt(clean, sample_generator(0, -1, 0), Corruption(), level=3.0)
+    ex = TRAININGS["super-resolve"].corrupt(
+        clean, sample_generator(0, -1, 0), knobs("super-resolve"), level=3.0
+    )
     assert ex["target"].shape == (1, 48, 48) and int(ex["scale"]) == 3
     torch.testing.assert_close(ex["target"], clean[:, :48, :48], rtol=0, atol=0)
     taps, offset = bicubic_taps(3)
@@ -375,8 +388,8 @@ def test_masks_have_their_kind() -> None:
     assert bool(blocks[rows.min() : rows.max() + 1, cols.min() : cols.max() + 1].all())
     strokes = stroke_mask((64, 64), gen, strokes=1)
     assert 0 < float(strokes.float().mean()) < 0.6
-    settings = Corruption(mask_kinds=("pixels",), missing=(1.0, 1.0))
-    ex = TASKS["inpaint"].corrupt(torch.rand(1, 8, 8), gen, settings)
+    settings = knobs("inpaint", mask_kinds=("pixels",), missing=(1.0, 1.0))
+    ex = TRAININGS["inpaint"].corrupt(torch.rand(1, 8, 8), gen, settings)
     assert int((~ex["missing"]).sum()) == 1, "a patch keeps at least one observed pixel"
 
 
@@ -386,8 +399,10 @@ def test_segmentation_examples_flip_labels_of_a_binary_target() -> None:
     target = binary_target(clean)
     assert set(target.unique().tolist()) == {0.0, 1.0}
     assert float(target[:, 16:48, 16:48].mean()) == 1.0 and float(target.mean()) == 0.25
-    settings = Corruption(sigma=(0.0, 0.0), flip=(0.2, 0.2))
-    ex = TASKS["segment"].corrupt(clean, sample_generator(0, 0, 1), settings)
+    # the validation level is the flipped fraction itself, with the middle of sigma's range: no noise
+    ex = TRAININGS["segment"].corrupt(
+        clean, sample_generator(0, 0, 1), knobs("segment", sigma=(0.0, 0.0)), 0.2
+    )
     torch.testing.assert_close(ex["target"], target)
     flipped = float((ex["noisy"] != ex["target"]).float().mean())
     assert flipped == pytest.approx(0.2, abs=0.03)
@@ -418,7 +433,7 @@ def test_training_writes_a_checkpoint_the_service_loads(folders, tmp_path: Path)
     # the score the trainer recorded for it
     model = load_predictor(out)
     val = validation_set(
-        load_images(image_files(cfg.val), 1), TASKS["denoise"], Corruption(), (25.0,), cfg.seed
+        load_images(image_files(cfg.val), 1), TRAININGS["denoise"], knobs("denoise"), (25.0,), cfg.seed
     )
     scores = [
         psnr(model.predict(v["noisy"][None], sigma=float(v["sigma"])).output, v["target"][None]).item()
@@ -475,7 +490,7 @@ def test_a_warm_started_photon_model_trains_its_pilot_then_the_whole_model(folde
     save_checkpoint(tmp_path / "start" / "2", spec, start_tensors(spec, "kglm", 0, warm))
     start = load_predictor(tmp_path / "start" / "2")
     val = validation_set(
-        load_images(image_files(cfg.val), 1), TASKS["denoise-poisson"], cfg.corruption(), (4.0,), cfg.seed
+        load_images(image_files(cfg.val), 1), TRAININGS["denoise-poisson"], cfg.task_knobs(), (4.0,), cfg.seed
     )
     scores = [psnr(start.predict(v["counts"][None], peak=4.0).output, v["target"][None]).item() for v in val]
     assert sum(scores) / len(scores) == pytest.approx(metrics["epochs"][0]["val_psnr"], abs=1e-3)
@@ -508,7 +523,7 @@ def test_a_checkpoint_folder_as_spec_and_warm_start_continues_its_training(folde
     metrics = json.loads((out / "report" / "metrics.json").read_text())
     model = load_predictor(folder)
     val = validation_set(
-        load_images(image_files(cfg.val), 1), TASKS["denoise-poisson"], cfg.corruption(), (4.0,), cfg.seed
+        load_images(image_files(cfg.val), 1), TRAININGS["denoise-poisson"], cfg.task_knobs(), (4.0,), cfg.seed
     )
     scores = [psnr(model.predict(v["counts"][None], peak=4.0).output, v["target"][None]).item() for v in val]
     assert sum(scores) / len(scores) == pytest.approx(metrics["epochs"][0]["val_psnr"], abs=1e-3)
@@ -529,7 +544,7 @@ def test_guided_training_folds_its_scales_into_the_checkpoint(folders, tmp_path:
     assert config.architecture.kernel.bandwidth != base.architecture.kernel.bandwidth
     metrics = json.loads((out / "report" / "metrics.json").read_text())
     val = validation_set(
-        load_images(image_files(cfg.val), 1), TASKS["denoise"], Corruption(), (25.0,), cfg.seed
+        load_images(image_files(cfg.val), 1), TRAININGS["denoise"], knobs("denoise"), (25.0,), cfg.seed
     )
     model = load_predictor(out)
     scores = [psnr(model.predict(v["noisy"][None], sigma=25.0).output, v["target"][None]).item() for v in val]
@@ -632,11 +647,11 @@ def test_cli_refuses_bad_settings(folders, tmp_path: Path, capsys: pytest.Captur
     assert "no PNG" in capsys.readouterr().err
 
 
-def test_a_task_without_training_hooks_is_refused(
+def test_a_task_without_a_training_is_refused(
     folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    """A registered task that defines no training hooks is a ``--task`` choice that ``kdeq train``
-    refuses with exit status 2, naming the hooks it lacks."""
+    """A registered task without a training (``kdeq.train.trainings.TRAININGS``) is a ``--task``
+    choice that ``kdeq train`` refuses with exit status 2, naming the hooks a training defines."""
     untrained = type("Sharpen", (Task,), {"name": "sharpen", "summary": "Sharpen", "predictor": Denoiser})()
     monkeypatch.setitem(TASKS, "sharpen", untrained)
     train_dir, val_dir = folders
@@ -671,7 +686,7 @@ TUNED = [
 def test_committed_fine_tuned_checkpoints_carry_their_report(folder: Path) -> None:
     config = load_checkpoint(folder).config
     prov = config.provenance
-    score = f"val_{TASKS[config.task].score_name}"
+    score = f"val_{TRAININGS[config.task].score_name}"
     assert prov.init == "kglm" and prov.epochs >= 1
     assert prov.metrics[score] > prov.metrics[f"start_{score}"]
     metrics = json.loads((folder / "report" / "metrics.json").read_text())

@@ -10,18 +10,23 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
-from kdeq import atomic
-from kdeq.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from kdeq.cli import main as kdeq_main
-from kdeq.initialize import DEFAULT_SPECS, init_tensors
-from kdeq.train import TrainConfig, cli, experiment, loop, preflight
+from kdeq.models.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from kdeq.models.initialize import DEFAULT_SPECS, init_tensors
+from kdeq.research import experiment
+from kdeq.runtime import atomic
+from kdeq.train import cli, loop, preflight
+from kdeq.train.config import TrainConfig
+from kdeq.train.trainings import TRAININGS, knob_fields
 from tests.test_train import smooth_images
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -130,6 +135,88 @@ def test_kdeq_train_help_lists_every_option(capsys: pytest.CaptureFixture) -> No
     assert shown.count("(default:") + shown.count("(required)") == len(parser()._actions) - 1
 
 
+def test_the_settings_and_options_beside_the_runs_own_are_exactly_the_trainings_knobs() -> None:
+    """``TrainConfig``'s fields beyond those its own class declares are the union of the trainings'
+    knobs (``kdeq.train.tasks``), each as declared (type, default, bounds, description), and the
+    command line has one option per field plus ``--quiet``: a knob is declared once, in its task's
+    training."""
+    knobs = knob_fields(list(TRAININGS.values()))
+    assert set(knobs) == set().union(*(t.knobs.model_fields for t in TRAININGS.values()))
+    own = set(TrainConfig.__annotations__)
+    assert own.isdisjoint(knobs) and set(TrainConfig.model_fields) == own | set(knobs)
+    for name, declared in knobs.items():
+        field = TrainConfig.model_fields[name]
+        for key in ("annotation", "default", "description", "metadata"):
+            assert getattr(field, key) == getattr(declared, key), (name, key)
+    options = {a.dest: a for a in parser()._actions if not isinstance(a, argparse._HelpAction)}
+    assert set(options) == set(TrainConfig.model_fields) | {"quiet"}
+    for name in knobs:
+        assert options[name].option_strings == ["--" + name.replace("_", "-")]
+
+
+def test_a_new_trainings_knob_is_a_setting_and_an_option_with_no_other_edit(tmp_path: Path) -> None:
+    """Training a task is one module in ``kdeq.train.tasks``: one for ``denoise-impulse`` (a task
+    without a training), with a knob of its own, makes the task trainable and its knob a
+    ``TrainConfig`` field and a ``kdeq train`` option, whose value reaches the training's settings;
+    the other tasks keep theirs."""
+    (tmp_path / "impulse.py").write_text(
+        textwrap.dedent(
+            """
+            from pydantic import Field
+
+            from kdeq.train.tasks.base import NoiseKnobs, Training
+
+
+            class ImpulseKnobs(NoiseKnobs):
+                impulses: tuple[float, float] = Field(
+                    (0.0, 0.2), description="impulse fractions", json_schema_extra={"metavar": "LO,HI"}
+                )
+
+
+            class ImpulseTraining(Training):
+                name = "denoise-impulse"
+                knobs = ImpulseKnobs
+
+                def corrupt(self, clean, gen, settings, level=None, shared=None):
+                    raise NotImplementedError
+
+                def predictor_inputs(self, batch):
+                    raise NotImplementedError
+
+                def val_levels(self, settings):
+                    return (0.1,)
+
+                def check_level(self, level, settings):
+                    pass
+            """
+        )
+    )
+    script = textwrap.dedent(
+        f"""
+        import argparse
+        import kdeq.train.tasks
+        kdeq.train.tasks.__path__.append({str(tmp_path)!r})
+        from kdeq.train import cli
+        from kdeq.train.trainings import TRAININGS
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        required = ["--train", "t", "--val", "v", "--out", "m/x/1"]
+        args = ["--task", "denoise-impulse", "--spec", "denoise-impulse-kglm", *required]
+        cfg = cli.config_from_args(p.parse_args([*args, "--impulses", "0.1,0.3", "--sigma", "5,9"]))
+        print(cfg.task_knobs())
+        print(cfg.model_dump()["impulses"], list(TRAININGS))
+        print(p.format_help())
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    knobs, dumped, help_text = done.stdout.split("\n", 2)
+    assert knobs == "sigma=(5.0, 9.0) impulses=(0.1, 0.3)"
+    assert dumped.startswith("(0.1, 0.3) ") and "'denoise-impulse'" in dumped and "'deblur'" in dumped
+    assert "--impulses LO,HI" in help_text and "impulse fractions (default: 0,0.2)" in help_text
+    assert "--peaks LO,HI" in help_text
+
+
 # --- what a run needs, checked before it starts ------------------------------------------------------
 
 
@@ -197,7 +284,7 @@ def test_an_experiment_without_matplotlib_fails_before_it_computes(
 
 
 def fail_at(monkeypatch: pytest.MonkeyPatch, k: int) -> list[int]:
-    """Make the ``k``-th of ``kdeq.atomic``'s file operations (a temporary file's write, a rename)
+    """Make the ``k``-th of ``kdeq.runtime.atomic``'s file operations (a temporary file's write, a rename)
     raise ``OSError``, as a crash there would stop the writer; the count of operations so far."""
     count = [0]
     write, replace = atomic._write_synced, os.replace

@@ -1,4 +1,4 @@
-"""Per-pixel posterior uncertainty (``kdeq.uncertainty``) against dense float64 linear algebra.
+"""Per-pixel posterior uncertainty (``kdeq.predictors.uncertainty``) against dense float64 linear algebra.
 
 The reference is DESIGN §2 fact 9 computed densely on small images: ``K`` (the kernel applied to
 every unit image, or built from the taps directly), ``A`` (``Operator.dense``) and
@@ -12,12 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdeq.adaptive import guided_gram
-from kdeq.checkpoint import Checkpoint, load_checkpoint
-from kdeq.denoise import Denoiser
-from kdeq.psf import parse_psf
-from kdeq.repository import find_model, load_predictor
-from kdeq.uncertainty import MAX_SPACING, gaussian_posterior, posterior, posterior_std, probe_spacing
+from kdeq.maths.adaptive import guided_gram
+from kdeq.maths.psf import parse_psf
+from kdeq.models.checkpoint import Checkpoint, load_checkpoint
+from kdeq.models.repository import find_model, load_predictor
+from kdeq.predictors.denoise import Denoiser
+from kdeq.predictors.uncertainty import (
+    MAX_SPACING,
+    gaussian_posterior,
+    posterior,
+    posterior_std,
+    probe_spacing,
+)
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 SIZE = 12

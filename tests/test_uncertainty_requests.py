@@ -1,7 +1,7 @@
 """Uncertainty maps through requests (``Request.uncertainty`` → ``Solved.uncertainty``): each Gaussian
 task's map against the dense posterior built from the predictor's own arguments (``test_uncertainty``'s
 reference), tiles put together, the models that have none, the CLI's ``--uncertainty`` and the 16-bit
-file format (``kdeq.scaledpng``)."""
+file format (``kdeq.images.scaledpng``)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ import pytest
 import torch
 from PIL import Image
 
-from kdeq import scaledpng, tiling
 from kdeq.cli import main
-from kdeq.psf import parse_psf
-from kdeq.repository import default_models_dir, find_model, load_predictor
-from kdeq.tasks import TASKS, Request, solve_batch
-from kdeq.uncertainty import posterior, unsupported
+from kdeq.images import scaledpng
+from kdeq.maths.psf import parse_psf
+from kdeq.models.repository import default_models_dir, find_model, load_predictor
+from kdeq.predictors.uncertainty import posterior, unsupported
+from kdeq.registry import TASKS
+from kdeq.serving import tiling
+from kdeq.tasks.base import Request, solve_batch
 from tests.test_uncertainty import latest, reference_std, scene
 
 SIDE = 16
@@ -155,8 +157,8 @@ def test_an_inpainting_tile_with_nothing_observed_refuses_a_map() -> None:
 
 
 def test_the_segmenters_map_through_a_request_and_the_cli(tmp_path: Path, capsys) -> None:
-    """The segmenter's Laplace map (``kdeq.uncertainty``, tested against the dense covariance there)
-    comes with a request, leaves its solve alone, and the CLI writes it."""
+    """The segmenter's Laplace map (``kdeq.predictors.uncertainty``, tested against the dense covariance
+    there) comes with a request, leaves its solve alone, and the CLI writes it."""
     task, predictor = TASKS["segment"], latest("segment-kglm")
     x = image()
     request = Request(x, task.options(output="probability"))
@@ -183,6 +185,25 @@ def test_models_without_a_gaussian_posterior_say_why() -> None:
     request = asking(TASKS["deblur"].warmup(SIDE))
     with pytest.raises(ValueError, match="plug-and-play"):
         solve_batch(TASKS["deblur"], latest("deblur-kglm"), [request])
+
+
+def test_a_posterior_is_the_models_own_and_is_not_inherited_by_the_impulse_denoiser(capsys) -> None:
+    """``has_posterior`` is whether the predictor class overrides ``gaussian_posterior``: every Gaussian
+    task's does; the impulse denoiser, a guided denoiser underneath whose robust output is no Gaussian
+    posterior mean, declines the method it would inherit, so its requests are refused, naming the
+    tasks that have one, and its command takes no ``--uncertainty``."""
+    has = {name for name, task in TASKS.items() if task.predictor.has_posterior}
+    assert {"denoise", "inpaint", "segment", "deblur", "super-resolve", "denoise-poisson"} <= has
+    assert "denoise-impulse" not in has
+    impulse = latest("denoise-impulse-kglm")
+    why = unsupported(impulse)
+    assert why.startswith("the denoise-impulse task has no Gaussian posterior") and "'denoise'" in why
+    with pytest.raises(ValueError, match=f"{impulse.name}: the denoise-impulse task has no Gaussian"):
+        posterior(impulse, scene(SIDE), sigma=10.0)
+    for name, offered in (("denoise", True), ("denoise-impulse", False)):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        assert ("--uncertainty" in capsys.readouterr().out) == offered
 
 
 # --- the file format ---------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def stopped_solve_error(tol: float, scale: float, gain: float) -> float:
     ``tol``: ``gain·tol·scale``.
 
     The solve stops once ``‖r‖ ≤ tol·scale`` for its residual ``r = b − A ẑ`` (``scale`` is the norm
-    the residual is relative to, ``kdeq.solvers``' ``‖f(z)‖``), so ``ẑ`` misses the solution by
+    the residual is relative to, ``kdeq.maths.solvers``' ``‖f(z)‖``), so ``ẑ`` misses the solution by
     ``A⁻¹r``; a read-out ``R ẑ`` then misses by at most ``‖R A⁻¹‖₂·‖r‖``. ``gain`` bounds that
     operator norm (for ``A ⪰ I``, ``‖A⁻¹‖ ≤ 1`` and ``gain = ‖R‖₂`` serves, whether the read-out uses
     ``ẑ`` or the map's value ``f(ẑ) = ẑ + r``).
@@ -91,13 +91,13 @@ def _taps(matrix: np.ndarray) -> int:
 def observed_solve_error(
     A: np.ndarray, K: np.ndarray, y: np.ndarray, m: np.ndarray, lam: float, tol: float, atol: float
 ) -> float:
-    """A bound on ``‖f − f*‖₂`` over one sample's channels for ``kdeq.operators.solve_observed``'s ``f``,
-    solved to relative residual ``tol`` (floor ``atol``), against the exact
+    """A bound on ``‖f − f*‖₂`` over one sample's channels for ``kdeq.maths.operators.solve_observed``'s
+    ``f``, solved to relative residual ``tol`` (floor ``atol``), against the exact
     ``f* = m + K Aᵀ(A K Aᵀ + λI)⁻¹(y − A m)``, from the dense ``A`` ``(n', n)``, ``K`` ``(n, n)``,
     observations ``y`` ``(c, n')`` and mean ``m`` ``(c, n)``.
 
     The solve finds ``z`` with ``B z = W₁ y + A m``, ``W₁ = A K Aᵀ/λ``, ``B = I + W₁ ⪰ I``, and reads
-    out ``f = m + K Aᵀ(y − z)/λ``. Stopped at ``‖r‖ ≤ tol·‖f(z)‖`` (``kdeq.solvers``: ``f(z) = z + r``,
+    out ``f = m + K Aᵀ(y − z)/λ``. Stopped at ``‖r‖ ≤ tol·‖f(z)‖`` (``kdeq.maths.solvers``: ``f(z) = z + r``,
     at most ``‖z*‖/(1 − tol)`` for ``z* = A f*``, floored at ``atol·√(c n')``), the ``z`` it reads out
     from, ``z`` itself or ``f(z)``, misses ``z*`` by at most ``‖r‖`` (``‖B⁻¹‖, ‖I − B⁻¹‖ ≤ 1``); the
     read-out multiplies that by ``‖K Aᵀ‖₂/λ`` (``stopped_solve_error``). The residual the solver
@@ -133,7 +133,7 @@ def assert_within(
 def stopped_fixed_point_gap(
     tol: float, fz_norm: float, atol: float, n: int, evaluation: float, dtype: torch.dtype | np.dtype | type
 ) -> float:
-    """A bound on ``‖f(z) − z‖₂`` for one sample's iterate ``z`` that a ``kdeq.solvers`` solve accepted
+    """A bound on ``‖f(z) − z‖₂`` for one sample's iterate ``z`` that a ``kdeq.maths.solvers`` solve accepted
     at relative residual ``tol`` (floor ``atol``), with ``f(z)`` evaluated again by the test (other
     kernels, other summation order) to norm ``fz_norm``.
 

@@ -2,7 +2,7 @@
 ``deploy/grafana/dashboards/kdeq.json`` and sets the inference routes in the recording rules'
 endpoint matchers (tests check that the committed files are this script's output).
 
-The inference routes are the registered tasks' (``kdeq.tasks.TASKS``), so a new task's route is on
+The inference routes are the registered tasks' (``kdeq.registry.TASKS``), so a new task's route is on
 the dashboard and in the rules once this script has run.
 
 Every panel queries the provisioned Prometheus datasource (uid ``kdeq-prometheus``); heavy queries
@@ -15,7 +15,7 @@ import json
 import re
 from pathlib import Path
 
-from kdeq.tasks import TASKS
+from kdeq.registry import TASKS
 
 DATASOURCE = {"type": "prometheus", "uid": "kdeq-prometheus"}
 GRAFANA_VERSION = "11.2.2"  # the image in docker-compose.yml

@@ -4,11 +4,10 @@ A ``Task`` owns everything that differs between the kinds of request a model
 answers (denoise, inpaint, …): its name and family, its predictor, its strict
 options model and extra image inputs, the rules its checkpoints obey, how a
 batch of its requests is solved in one ``predict`` call, the fields its results
-carry, the warm-up request that exercises it, and how its models train (the
-corruption that makes examples from clean images, the predictor's arguments from a batch of
-them, the loss, the validation score and levels). The service's routes, the command line, the
-trainer and the generated docs are built from these declarations (``kdeq.tasks.TASKS``);
-nothing else branches on a task's name.
+carry, the warm-up request that exercises it, and its posterior map's refusals. How its models
+train is the trainer's (``kdeq.train.tasks``). The service's routes, the command line, the trainer
+and the generated docs are built from these declarations (``kdeq.registry.TASKS``); nothing else
+branches on a task's name.
 
 A ``Request`` holds ``(c, H, W)`` float32 numpy images in [0, 1], so that a
 caller that is not torch-aware (the service's decoder threads) can build it.
@@ -19,22 +18,16 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from kdeq import threads
-from kdeq.predictor import Prediction, Predictor, SolverOverride, pad_images
-from kdeq.train.objectives import SquaredError, psnr, squared_error
-
-if TYPE_CHECKING:
-    from kdeq.checkpoint import ModelSpec
-    from kdeq.train.data import Corruption
-
-#: the hooks a task defines for ``kdeq train`` to train its models (the loss and score have defaults)
-TRAINING_HOOKS = ("corrupt", "predictor_inputs", "val_levels", "check_level")
+from kdeq.predictors.base import Prediction, Predictor, SolverOverride, pad_images
+from kdeq.predictors.spec import ModelSpecBase
+from kdeq.predictors.uncertainty import posterior
+from kdeq.runtime import threads
 
 
 class InputError(ValueError):
@@ -96,7 +89,7 @@ class ResultField:
 class Variant:
     """How a task is also asked for on another task's route and command: ``POST /<host>`` and
     ``kdeq <host>`` with ``<field>=<value>`` run it, and ``<field>=<default>`` (the field's default)
-    runs the host itself (``/denoise`` with ``noise=poisson``; ``kdeq.tasks.Choice``).
+    runs the host itself (``/denoise`` with ``noise=poisson``; ``kdeq.registry.Choice``).
 
     Attributes:
         host: the task whose route and command take the field.
@@ -124,7 +117,7 @@ class Request:
             ``missing`` ``(1, H, W)`` bool, the deblurrer's PSF ``(k, k)``).
         solver: per-request solver limits.
         uncertainty: whether to return the posterior standard deviation beside the image
-            (``Solved.uncertainty``; the tasks with a posterior, ``kdeq.uncertainty``).
+            (``Solved.uncertainty``; the tasks with a posterior, ``kdeq.predictors.uncertainty``).
     """
 
     image: np.ndarray
@@ -136,7 +129,7 @@ class Request:
 
 @dataclass(frozen=True)
 class UncertaintyMap:
-    """A request's posterior standard deviation (``kdeq.uncertainty``).
+    """A request's posterior standard deviation (``kdeq.predictors.uncertainty``).
 
     Attributes:
         std: ``sqrt(diag Σ)`` ``(H', W')`` float32 on the output's [0, 1] scale (the same for every
@@ -184,9 +177,9 @@ class Task:
 
     Attributes:
         name: the task's name (a checkpoint's ``task``, the route ``/name``, the subcommand).
-        family: the exponential family of its models (``kdeq.families``).
+        family: the exponential family of its models (``kdeq.maths.families``).
         summary: one line saying what it does.
-        sample: the name of the generated image (``kdeq.samples.sample_images``) to try it on.
+        sample: the name of the generated image (``kdeq.images.samples.sample_images``) to try it on.
         predictor: the ``Predictor`` subclass its checkpoints load as.
         options: its ``Options`` model.
         files: its other image inputs.
@@ -197,15 +190,13 @@ class Task:
             (``counts_of``).
         variant: how it is also asked for on another task's route and command, ``None`` when only on
             its own.
-        architectures: the architecture kinds (``kdeq.checkpoint``) its models may have.
-        network: the conditioning (``kdeq.guidenet.GuideNet.condition``) a network of its models has,
+        architectures: the architecture kinds (``kdeq.models.checkpoint``) its models may have.
+        network: the conditioning (``kdeq.maths.guidenet.GuideNet.condition``) a network of its models has,
             ``None`` when they have none.
         chroma_prior_mean: whether its guided models may leave a colour image's colour differences
             at the prior mean (``GuidedArchitecture.chroma``).
         refines_pilot: whether its models' means may read a pilot refined by non-local means
-            (``kdeq.guidenet.GuideNet.refine``, ``kdeq.refine``).
-        score_name, score_label: the validation score's name in the trainer's metrics
-            (``val_<score_name>``) and its axis label in the report; higher is better.
+            (``kdeq.maths.guidenet.GuideNet.refine``, ``kdeq.maths.refine``).
     """
 
     name: ClassVar[str]
@@ -223,16 +214,14 @@ class Task:
     network: ClassVar[str | None] = None
     chroma_prior_mean: ClassVar[bool] = False
     refines_pilot: ClassVar[bool] = False
-    score_name: ClassVar[str] = "psnr"
-    score_label: ClassVar[str] = "PSNR (dB)"
 
     @property
     def route(self) -> str:
         return "/" + self.name
 
-    def check_spec(self, spec: ModelSpec) -> None:
+    def check_spec(self, spec: ModelSpecBase) -> None:
         """Raise ``ValueError`` where ``spec`` is not a model this task can run (its family is
-        checked by ``kdeq.checkpoint``): here the declared ``architectures`` and ``network``, and the
+        checked by ``kdeq.models.checkpoint``): here the declared ``architectures`` and ``network``, and the
         noise ``λ`` rule only where requests carry a noise level (the option ``sigma``, given or
         estimated); a task adds its own rules after these."""
         arch = spec.architecture
@@ -279,6 +268,11 @@ class Task:
         """The alpha ``(H', W')`` the output keeps, from the input's; ``files`` the file inputs given."""
         return alpha
 
+    def output_mode(self, mode: str) -> str:
+        """The PNG mode (``L``, ``I;16``, ``RGB``, ``LA``, ``RGBA``) of the output of an input decoded
+        in ``mode``: this default keeps it, or gives ``L`` where the output is ``grey_output``."""
+        return "L" if self.grey_output else mode
+
     def batch_key(self, request: Request) -> Hashable:
         """Requests whose keys are equal (with equal models and sizes) are solved together."""
         return (request.options, request.solver)
@@ -288,7 +282,8 @@ class Task:
     ) -> tuple[tuple, dict[str, Any]]:
         """The positional and keyword arguments of ``predictor.forward`` for the batch ``images``
         ``(B, c, H, W)`` of ``requests`` (padded to a common size when ``sizes`` is given,
-        ``kdeq.predictor``); the same arguments build its Gaussian posterior (``kdeq.uncertainty``)."""
+        ``kdeq.predictors.base``); the same arguments build its Gaussian posterior
+        (``Predictor.gaussian_posterior``, ``kdeq.predictors.uncertainty``)."""
         raise NotImplementedError
 
     def run(
@@ -308,7 +303,7 @@ class Task:
         ``prediction``."""
         return prediction.output[index], {}
 
-    # --- tiles (kdeq.tiling) -----------------------------------------------------------------------
+    # --- tiles (kdeq.serving.tiling) -----------------------------------------------------------------------
 
     def tile_halo(self, predictor: Predictor) -> int | None:
         """The halo, in pixels, that a tile of this task's images needs around its core for
@@ -343,61 +338,6 @@ class Task:
         rng = np.random.default_rng(0)
         return Request(rng.random((1, size, size), dtype=np.float32), self.options())
 
-    # --- training (kdeq.train) ---------------------------------------------------------------------
-
-    @property
-    def missing_training_hooks(self) -> tuple[str, ...]:
-        """The ``TRAINING_HOOKS`` this task does not define; while any is missing, ``kdeq train``
-        refuses the task."""
-        return tuple(h for h in TRAINING_HOOKS if getattr(type(self), h) is getattr(Task, h))
-
-    def corrupt(
-        self,
-        clean: torch.Tensor,
-        gen: torch.Generator,
-        settings: Corruption,
-        level: float | None = None,
-        shared: torch.Generator | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """One example from the clean patch ``clean`` ``(c, H, W)`` in [0, 1]: ``target`` and the
-        predictor's inputs (``predictor_inputs`` reads them, collated), drawn from ``gen`` within the
-        run's ``settings``, or at the validation ``level`` (``val_levels``) when given. ``shared``
-        (training only) gives the same draws to every sample of a step: what the predictor takes
-        once per call (a PSF, a scale) is drawn from it.
-
-        A run's samples, and so its resumption, are these draws in this order: a change to either
-        makes runs that were saved resume differently."""
-        raise NotImplementedError(f"the {self.name} task has no training corruption")
-
-    def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The predictor's leading arguments (of ``forward`` and ``pilot_only``) from a batch of
-        ``corrupt``'s examples, each entry collated to ``(B, …)``."""
-        raise NotImplementedError(f"the {self.name} task has no training inputs")
-
-    def loss(self, out: torch.Tensor, target: torch.Tensor, kind: SquaredError) -> torch.Tensor:
-        """The training loss, a scalar, of the output ``out`` ``(B, c, H, W)`` against ``target``; this
-        default (the Gaussian tasks') is the run's squared error ``kind``
-        (``kdeq.train.objectives.squared_error``)."""
-        return squared_error(out, target, kind)
-
-    def score(self, out: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The score ``score_name`` per sample ``(B,)`` of the output ``out`` ``(B, c, H, W)`` on
-        ``batch``; this default is the PSNR of ``out`` clipped to [0, 1] against ``target``."""
-        return psnr(out, batch["target"])
-
-    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
-        """The validation levels (``corrupt``'s ``level``) of a run that names none."""
-        raise NotImplementedError(f"the {self.name} task has no validation levels")
-
-    def check_level(self, level: float, settings: Corruption) -> None:
-        """``ValueError``, saying what a level is for this task, where ``level`` is not one."""
-        raise NotImplementedError(f"the {self.name} task has no validation levels")
-
-    def shown_input(self, example: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The input ``(c, H, W)`` the training report shows for one of ``corrupt``'s examples: by
-        default the predictor's first argument."""
-        return self.predictor_inputs({k: v[None] for k, v in example.items()})[0][0]
-
 
 def counts_of(pixels: np.ndarray, full_scale: int | None) -> np.ndarray:
     """The photon counts ``round(pixels · full_scale)`` ``(c, H, W)`` float32 of an image decoded to
@@ -408,27 +348,9 @@ def counts_of(pixels: np.ndarray, full_scale: int | None) -> np.ndarray:
     return np.rint(pixels * np.float32(full_scale)).astype(np.float32)
 
 
-def shared_value(batch: Mapping[str, torch.Tensor], key: str, task: str, what: str) -> torch.Tensor:
-    """``batch[key][0]``: the value every example of the batch shares (``Task.corrupt``'s ``shared``
-    draw); ``ValueError`` when they differ."""
-    values = batch[key]
-    if not bool((values == values[:1]).all()):
-        raise ValueError(f"a {task} batch shares one {what} (Task.corrupt's shared draw)")
-    return values[0]
-
-
-def check_index_level(level: float, task: str, field: str, choices: Sequence[object]) -> None:
-    """``ValueError`` unless the validation ``level`` indexes ``choices`` (the run's ``field``)."""
-    if not (float(level).is_integer() and 0 <= level < len(choices)):
-        raise ValueError(
-            f"val level {level:g}: a {task} level is an index into {field} {list(choices)}, "
-            f"0 to {len(choices) - 1}"
-        )
-
-
 def tile_level(requests: Sequence[Request]) -> dict[str, torch.Tensor]:
     """``{"level": (B, c)}``: the channel means ``Task.whole_image`` fixed in tiles of one image
-    (``kdeq.tiling``, never batched with other images), as the predictor's ``level``; ``{}`` for
+    (``kdeq.serving.tiling``, never batched with other images), as the predictor's ``level``; ``{}`` for
     whole images."""
     if "level" not in requests[0].inputs:
         return {}
@@ -444,11 +366,9 @@ def noise_levels(requests: Sequence[Request]) -> list[float] | None:
 
 
 def uncertainty_map(task: Task, predictor: Predictor, request: Request) -> UncertaintyMap:
-    """``request``'s posterior standard deviation (``kdeq.uncertainty.posterior`` on its own image, at
-    its default probe count, from a generator seeded 0, so that a request's map is reproducible);
-    ``ValueError`` for a model without a posterior map."""
-    from kdeq.uncertainty import posterior  # the only user of the module here: loaded when asked for
-
+    """``request``'s posterior standard deviation (``kdeq.predictors.uncertainty.posterior`` on its own
+    image, at its default probe count, from a generator seeded 0, so that a request's map is
+    reproducible); ``ValueError`` for a model without a posterior map."""
     args, kwargs = task.arguments(torch.from_numpy(request.image)[None], [request], None)
     found = posterior(predictor, *args, generator=torch.Generator().manual_seed(0), **kwargs)
     h, w = task.output_size(request)
@@ -458,10 +378,10 @@ def uncertainty_map(task: Task, predictor: Predictor, request: Request) -> Uncer
 
 def solve_batch(task: Task, predictor: Predictor, requests: Sequence[Request]) -> list[Solved]:
     """Solve compatible ``requests`` (equal ``batch_key``) in one ``predict`` call; images of different
-    sizes are padded to a common one (``kdeq.predictor.pad_images``) and each output cropped back.
+    sizes are padded to a common one (``kdeq.predictors.base.pad_images``) and each output cropped back.
     Each request that asks for it gets its ``uncertainty_map``, computed on its own image (the
     posterior is not batched across sizes; its probes are one batch of solves already). Torch's
-    threads are sized to the free cores first (``kdeq.threads.adapt``)."""
+    threads are sized to the free cores first (``kdeq.runtime.threads.adapt``)."""
     threads.adapt()
     uniform = len({r.image.shape for r in requests}) == 1
     images, sizes = pad_images([torch.from_numpy(r.image) for r in requests])

@@ -1,37 +1,8 @@
-"""``deblur``: undo a known blur, ``y = h * f + ε``, as the kGLM-DEQ observed through ``A = H``.
-
-The deblurrer is kernel ridge regression through the blur (DESIGN §2 fact 8): with the prior mean
-``m`` (the image's global mean) and ``λ = λ(σ)`` from the noise level (given or estimated),
-
-    f = m + K Hᵀ (H K Hᵀ + λI)⁻¹ (y − H m),
-
-the posterior mean of a Gaussian process ``f ~ GP(m, K/s²…)`` seen through the blur. ``H`` is the
-convolution with the PSF under the model's border rule (``kdeq.operators.Blur``). With a
-``symmetric`` border, a PSF even in each axis (Gaussian, disk, horizontal or vertical motion) and
-a symmetric-border kernel, ``H K Hᵀ`` is diagonal in the DCT-II and the solve is one transform
-(``kdeq.operators.Sandwich``); any other PSF takes CG.
-
-With the adaptive kernel (a ``guided`` architecture, DESIGN §2.5) the same regression is solved
-twice: first with a flat guide, where the normalised kernel is the stationary ``k_s/Σk_s`` (the
-first solve ``f₀``, a symmetric border: one transform for an even PSF), then with
-``K̃ = D^{-1/2} K D^{-1/2}`` for ``k(x, x') = k_s(x − x')·exp(−‖g(x) − g(x')‖²/2h²)`` on patches
-of the smoothed ``g = G∗f₀``, ``h²`` from the guide's own estimated noise (the deconvolution
-amplifies the observations'), and ``K̃``'s local average ``D⁻¹K f₀`` as the mean (CG, a handful of
-iterations). The kernel follows the image's edges, so the second solve sharpens them without
-ringing across them. The statistics are both solves' (``kdeq.solvers.chained``: iterations
-summed, the worse residual, converged when both did); the prediction's ``pilot`` is ``f₀``.
-
-With a network (``kdeq.guidenet``, ``condition = "sigma"``) its pilot ``p`` of ``f₀`` is the guide
-and, mixed by ``β``, the mean ``(1 − β)·D⁻¹K f₀ + β·p``: the denoiser's network, removing what the
-deconvolution left. At the kGLM start (``p = G∗f₀``, ``β = 0``) the model is the one without.
-
-A ``pnp`` architecture is a denoiser plugged into the blur (``kdeq.pnp``): ``steps`` alternations of
-the data step, the same regression with the white kernel ``K = I`` around the last denoised image
-(one DCT transform for an even PSF), and the embedded denoiser at a decreasing noise level, the
-checkpoint's ``λ`` rule weighing the two; the statistics sum every solve's iterations.
+"""``deblur``: undo a known blur, ``y = h * f + ε``, as the kGLM-DEQ observed through ``A = H``
+(the model: ``kdeq.predictors.deblur``).
 
 The PSF is named (``gaussian:SIGMA``, ``disk:RADIUS``, ``motion:LENGTH[,ANGLE_DEGREES]``,
-``kdeq.psf.parse_psf``) or uploaded as an image (odd sides, at most ``kdeq.psf.MAX_PSF_SIDE``,
+``kdeq.maths.psf.parse_psf``) or uploaded as an image (odd sides, at most ``kdeq.maths.psf.MAX_PSF_SIDE``,
 normalised to sum 1; a colour PSF image is read as its mean over channels).
 """
 
@@ -45,25 +16,10 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from kdeq.adaptive import GuidedMap, GuidedOperator, weight_budget
-from kdeq.checkpoint import (
-    Checkpoint,
-    GuidedArchitecture,
-    ModelSpec,
-    NoiseLambda,
-    PlugAndPlayArchitecture,
-    prior_checkpoint,
-)
-from kdeq.denoise import Denoiser
-from kdeq.filters import separable_blur
-from kdeq.guidenet import pilot
-from kdeq.noise import haar_sigma
-from kdeq.operators import Blur, KernelMap, solve_observed
-from kdeq.pnp import noise_schedule, plug_and_play
-from kdeq.predictor import Prediction, Predictor, SolverOverride
-from kdeq.psf import MAX_PSF_SIDE, check_psf, parse_psf
-from kdeq.solvers import SolverConfig, SolverStats, chained
-from kdeq.tasks import register_task
+from kdeq.maths.psf import MAX_PSF_SIDE, check_psf, parse_psf
+from kdeq.predictors.base import Prediction, SolverOverride
+from kdeq.predictors.deblur import Deblurrer
+from kdeq.predictors.spec import ModelSpecBase, NoiseLambda
 from kdeq.tasks.base import (
     FileInput,
     InputError,
@@ -72,147 +28,8 @@ from kdeq.tasks.base import (
     Request,
     ResultField,
     Task,
-    check_index_level,
     noise_levels,
-    shared_value,
 )
-from kdeq.train.data import Corruption, uniform
-
-
-class Deblurrer(Predictor):
-    """Gaussian kGLM deblurrer; see the module docstring."""
-
-    task = "deblur"
-    reads = frozenset({"w1", "spatial", "smoothing"})
-
-    def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
-        super().__init__(checkpoint, device)
-        #: factor on the guided kernel's bandwidth ``h`` (learned by the trainer, 1 when loaded)
-        self.bandwidth_scale: float | torch.Tensor = 1.0
-        #: bytes the guided kernel's weight maps may take before they are recomputed per use
-        self.weight_budget = weight_budget(self.device)
-        #: a ``pnp`` model's denoiser on the same device (``None`` for the others; ``kdeq train``
-        #: refuses ``pnp`` models, so it keeps the tensors it was built with)
-        self.prior = Denoiser(prior_checkpoint(checkpoint), self.device) if self.plug_and_play else None
-
-    def forward(
-        self,
-        images: torch.Tensor,
-        psf: torch.Tensor,
-        sigma: float | Sequence[float] | torch.Tensor | None = None,
-        solver: SolverOverride | None = None,
-    ) -> Prediction:
-        """Deblur ``images`` ``(B, c, H, W)`` blurred by ``psf`` ``(k, k)`` (odd sides, normalised to
-        sum 1 here); ``sigma`` the noise level on the 0–255 scale, scalar or ``(B,)``, estimated per
-        image when ``None``. ``output`` is ``f`` ``(B, c, H, W)``."""
-        x = self.images(images)
-        blur = self._blur(psf)
-        s = self.noise_level(x, sigma)
-        lam = self.lam(s)
-        cfg = self.solver(solver)
-        if self.prior is not None:
-            return self._plug_and_play(blur, x, s, lam, cfg, solver)
-        if not self.guided:
-            kernel = KernelMap(self.tensors["w1"], torch.ones_like(lam), self.config.architecture.padding)
-            f, stats = solve_observed(blur, kernel, x, lam, self.mean(x), cfg)
-            return Prediction(f, stats, lam, sigma=s * 255.0)
-        f0, first = self._first(blur, x, lam, cfg)
-        kern = self.config.architecture.kernel
-        guide, learned = self._guide(f0, s)
-        # the guide's own noise (the deconvolution amplifies the observations'), per image; the Haar
-        # estimate for colour too: the deconvolution's noise is not white, which the patch estimate
-        # assumes, and the bandwidth was chosen with this one
-        h2 = kern.h2(x.shape[1], haar_sigma(guide)) * self.bandwidth_scale**2
-        spatial, budget = self.tensors["spatial"], self.weight_budget
-        op = GuidedOperator(guide, spatial, kern.patch_radius, h2, kern.normalize, budget, mean_of=f0)
-        mean = op.local_mean
-        if learned is not None:
-            beta = self.tensors["net_mean_mix"]
-            mean = beta * learned + (1 - beta) * mean
-        f, stats = solve_observed(blur, GuidedMap(op, torch.ones_like(lam)), x, lam, mean, cfg)
-        stats = chained([first, stats])
-        return Prediction(f, stats, lam, sigma=s * 255.0, pilot=f0 if learned is None else learned)
-
-    def _plug_and_play(
-        self,
-        blur: Blur,
-        x: torch.Tensor,
-        s: torch.Tensor,
-        lam: torch.Tensor,
-        cfg: SolverConfig,
-        solver: SolverOverride | None,
-    ) -> Prediction:
-        """``kdeq.pnp.plug_and_play`` from the observations ``x`` ``(B, c, H, W)`` at levels ``s``
-        ``(B,)`` (``λ = λ(s)``, the schedule ending at ``s`` floored as ``λ``'s rule floors it),
-        with the embedded denoiser at each ``σ_k``. The request's ``solver`` override applies to every
-        solve, the data steps' (``cfg``) and the denoiser's, so that its tolerance and step budget
-        are what the reported statistics are held to."""
-        arch = self.config.architecture
-        final = s.clamp(min=self.config.lam.min_sigma / 255.0)
-        levels = noise_schedule(arch.start_sigma / 255.0, final, arch.steps)
-
-        def denoise(v: torch.Tensor, level: torch.Tensor) -> tuple[torch.Tensor, SolverStats]:
-            out = self.prior.forward(v, sigma=level * 255.0, solver=solver)
-            return out.output, out.stats
-
-        f, stats = plug_and_play(blur, x, x, lam, levels, denoise, cfg)
-        return Prediction(f, stats, lam, sigma=s * 255.0)
-
-    def pilot_only(
-        self,
-        images: torch.Tensor,
-        psf: torch.Tensor,
-        sigma: float | Sequence[float] | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The network's pilot ``p`` ``(B, c, H, W)`` alone, on the first solve (the trainer's pilot
-        phase; the solve is not differentiated); arguments as ``forward``'s."""
-        if not self.guided or self.config.architecture.net is None:
-            raise ValueError(f"{self.name} has no network")
-        x = self.images(images)
-        s = self.noise_level(x, sigma)
-        with torch.no_grad():
-            f0, _ = self._first(self._blur(psf), x, self.lam(s), self.solver(None))
-        return self._guide(f0, s)[1]
-
-    def _blur(self, psf: torch.Tensor | np.ndarray) -> Blur:
-        """``H`` for ``psf`` ``(k, k)`` (normalised to sum 1) under the model's border rule."""
-        h = check_psf(psf.detach().cpu() if isinstance(psf, torch.Tensor) else psf).to(self.device)
-        arch = self.config.architecture
-        return Blur(h, arch.padding if arch.kind == "conv" else "symmetric")
-
-    def _first(
-        self, blur: Blur, x: torch.Tensor, lam: torch.Tensor, cfg: SolverConfig
-    ) -> tuple[torch.Tensor, SolverStats]:
-        """The first solve ``f₀`` ``(B, c, H, W)``: the same regression with a flat guide, whose
-        normalised kernel is ``k_s/Σk_s`` (symmetric border), around the images' global means."""
-        spatial = self.tensors["spatial"]
-        flat = KernelMap((spatial / spatial.sum())[None, None], torch.ones_like(lam), "symmetric")
-        return solve_observed(blur, flat, x, lam, x.mean(dim=(-2, -1), keepdim=True).expand_as(x), cfg)
-
-    def _guide(self, first: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The second solve's guide ``g`` and the network's pilot ``p`` (``None`` without one),
-        ``(B, c, H, W)``, from the first solve ``f₀`` of images at noise levels ``s`` ``(B,)`` in [0, 1]
-        units: ``g = G∗f₀`` without a network; with one, ``p`` of ``f₀`` (``kdeq.guidenet.pilot``,
-        ``σ`` floored as ``λ``'s rule floors it) and ``g = p``, not differentiated (the network learns
-        through the mean and its own loss, as the denoiser's)."""
-        smooth = separable_blur(first, self.tensors["smoothing"])
-        net = self.config.architecture.net
-        if net is None:
-            return smooth, None
-        rule = self.config.lam
-        level = s.clamp(min=rule.min_sigma / 255.0) if isinstance(rule, NoiseLambda) else s
-        learned = pilot(first, smooth, level, self.tensors, net)
-        return learned.detach(), learned
-
-    @property
-    def guided(self) -> bool:
-        """Whether the kernel is the adaptive one, guided by the stationary model's pilot."""
-        return isinstance(self.config.architecture, GuidedArchitecture)
-
-    @property
-    def plug_and_play(self) -> bool:
-        """Whether the model is a denoiser plugged into the blur (``kdeq.pnp``)."""
-        return isinstance(self.config.architecture, PlugAndPlayArchitecture)
 
 
 class DeblurOptions(Options):
@@ -225,7 +42,6 @@ class DeblurOptions(Options):
     sigma: NoiseLevel = None
 
 
-@register_task
 class Deblur(Task):
     """Deblur `image`, blurred by a known PSF (named in `psf` or uploaded as `psf_image`), with a
     Gaussian kGLM-DEQ observed through the blur; `sigma` is estimated per image when absent."""
@@ -248,7 +64,7 @@ class Deblur(Task):
     architectures = ("conv", "guided", "pnp")
     network = "sigma"
 
-    def check_spec(self, spec: ModelSpec) -> None:
+    def check_spec(self, spec: ModelSpecBase) -> None:
         super().check_spec(spec)
         arch = spec.architecture
         if arch.kind == "pnp":
@@ -314,44 +130,3 @@ class Deblur(Task):
         rng = np.random.default_rng(0)
         image = rng.random((1, size, size), dtype=np.float32)
         return Request(image, self.options(psf="gaussian:1.6"), {"psf": parse_psf("gaussian:1.6").numpy()})
-
-    def corrupt(
-        self,
-        clean: torch.Tensor,
-        gen: torch.Generator,
-        settings: Corruption,
-        level: float | None = None,
-        shared: torch.Generator | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """``blurred = h * clean + σn`` ``(c, H, W)`` (``kdeq.operators.Blur``, symmetric border; the
-        service's blur model), ``n ~ N(0, I)``: the PSF ``h`` (also the example's ``psf``) drawn from
-        ``settings.psfs`` by ``shared`` (one per step: the predictor takes one per call), or the one
-        the validation ``level`` indexes; ``σ`` (0–255, the example's ``sigma``) drawn from
-        ``settings.sigma``, the range's middle for validation; clipped to [0, 1] with
-        ``settings.clip``."""
-        if level is None:
-            draw = gen if shared is None else shared
-            name = settings.psfs[int(torch.randint(len(settings.psfs), (), generator=draw))]
-            s = uniform(gen, *settings.sigma)
-        else:
-            name, s = settings.psfs[int(level)], sum(settings.sigma) / 2
-        psf = parse_psf(name)
-        blurred = Blur(psf, "symmetric").forward(clean[None])[0]
-        blurred = blurred + (s / 255.0) * torch.randn(clean.shape, generator=gen)
-        if settings.clip:
-            blurred = blurred.clamp(0, 1)
-        return {"target": clean, "blurred": blurred, "psf": psf, "sigma": torch.tensor(s)}
-
-    def predictor_inputs(
-        self, batch: Mapping[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(blurred, psf, sigma)``: the images ``(B, c, H, W)``, the batch's one PSF ``(k, k)`` and
-        the noise levels ``(B,)``, given."""
-        return batch["blurred"], shared_value(batch, "psf", "deblur", "PSF"), batch["sigma"]
-
-    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
-        """Every PSF of the run, at the middle of its noise range."""
-        return tuple(float(i) for i in range(len(settings.psfs)))
-
-    def check_level(self, level: float, settings: Corruption) -> None:
-        check_index_level(level, "deblur", "psfs", settings.psfs)

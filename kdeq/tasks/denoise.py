@@ -1,27 +1,24 @@
-"""``denoise``: remove Gaussian noise of a given or estimated level (``kdeq.denoise``)."""
+"""``denoise``: remove Gaussian noise of a given or estimated level (``kdeq.predictors.denoise``)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from kdeq.checkpoint import ModelSpec
-from kdeq.denoise import Denoiser
-from kdeq.predictor import Prediction
-from kdeq.tasks import register_task
+from kdeq.predictors.base import Prediction
+from kdeq.predictors.denoise import Denoiser
+from kdeq.predictors.spec import ModelSpecBase
 from kdeq.tasks.base import NoiseLevel, Options, Request, ResultField, Task, noise_levels, tile_level
-from kdeq.train.data import Corruption, uniform
 
 
 class DenoiseOptions(Options):
     sigma: NoiseLevel = None
 
 
-@register_task
 class Denoise(Task):
     """Denoise `image` with a Gaussian kGLM-DEQ; `sigma` is estimated per image when absent."""
 
@@ -36,7 +33,7 @@ class Denoise(Task):
     chroma_prior_mean = True
     refines_pilot = True
 
-    def check_spec(self, spec: ModelSpec) -> None:
+    def check_spec(self, spec: ModelSpecBase) -> None:
         super().check_spec(spec)
         if spec.architecture.net is not None and spec.architecture.kind != "guided":
             raise ValueError("the denoiser's network is the guided kernel's guide: use a guided architecture")
@@ -48,7 +45,7 @@ class Denoise(Task):
         return (request.options.sigma is None, request.solver)
 
     def tile_halo(self, predictor: Denoiser) -> int:
-        """The model's ``solve_reach`` (``kdeq.denoise``)."""
+        """The model's ``solve_reach`` (``kdeq.predictors.denoise``)."""
         return predictor.solve_reach
 
     def whole_image(self, predictor: Denoiser, request: Request) -> Request:
@@ -73,31 +70,3 @@ class Denoise(Task):
 
     def result(self, prediction: Prediction, index: int, request: Request) -> tuple[torch.Tensor, dict]:
         return prediction.output[index], {"sigma": float(prediction.sigma[index])}
-
-    def corrupt(
-        self,
-        clean: torch.Tensor,
-        gen: torch.Generator,
-        settings: Corruption,
-        level: float | None = None,
-        shared: torch.Generator | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """``noisy = clean + σn``, ``n ~ N(0, I)``, with ``σ`` (0–255, also the example's ``sigma``) drawn
-        from ``settings.sigma`` or the validation ``level``; clipped to [0, 1] with ``settings.clip``."""
-        s = uniform(gen, *(settings.sigma if level is None else (level, level)))
-        noisy = clean + (s / 255.0) * torch.randn(clean.shape, generator=gen)
-        if settings.clip:
-            noisy = noisy.clamp(0, 1)
-        return {"target": clean, "noisy": noisy, "sigma": torch.tensor(s)}
-
-    def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(noisy, sigma)``: the images ``(B, c, H, W)`` and their noise levels ``(B,)``, given."""
-        return batch["noisy"], batch["sigma"]
-
-    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
-        """Noise levels σ 15, 25 and 50."""
-        return (15.0, 25.0, 50.0)
-
-    def check_level(self, level: float, settings: Corruption) -> None:
-        if not 0 <= level <= 255:
-            raise ValueError(f"val level {level:g}: a denoise level is a noise level σ in [0, 255]")

@@ -1,4 +1,4 @@
-"""``denoise-impulse``: remove Gaussian noise and salt-and-pepper impulses (``kdeq.robust``)."""
+"""``denoise-impulse``: remove Gaussian noise and salt-and-pepper impulses (``kdeq.predictors.robust``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdeq.predictor import Prediction
-from kdeq.robust import ImpulseDenoiser, off_end_means, robust_sigma
-from kdeq.tasks import register_task
+from kdeq.predictors.base import Prediction
+from kdeq.predictors.robust import ImpulseDenoiser, off_end_means, robust_sigma
 from kdeq.tasks.base import Request, Task, Variant, noise_levels, tile_level
 from kdeq.tasks.denoise import Denoise, DenoiseOptions
 
 
-@register_task
 class DenoiseImpulse(Task):
     """Denoise `image` with Gaussian noise and salt-and-pepper impulses (pixels at black or white that
     differ from their neighbours): the impulses are left out and filled in by the kernel, the rest is
@@ -39,7 +37,7 @@ class DenoiseImpulse(Task):
         return (request.options.sigma is None, request.solver)
 
     def tile_halo(self, predictor: ImpulseDenoiser) -> int:
-        """The model's ``solve_reach`` (``kdeq.robust``)."""
+        """The model's ``solve_reach`` (``kdeq.predictors.robust``)."""
         return predictor.solve_reach
 
     def whole_image(self, predictor: ImpulseDenoiser, request: Request) -> Request:

@@ -1,8 +1,8 @@
-"""``denoise-poisson``: estimate the photon rate of an image of counts (``kdeq.photon``)."""
+"""``denoise-poisson``: estimate the photon rate of an image of counts (``kdeq.predictors.photon``)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -10,11 +10,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from kdeq.photon import PhotonDenoiser, WholeImage, full_scale
-from kdeq.predictor import Prediction
-from kdeq.tasks import register_task
+from kdeq.predictors.base import Prediction
+from kdeq.predictors.photon import PhotonDenoiser, WholeImage, full_scale
 from kdeq.tasks.base import InputError, Options, Request, ResultField, Solved, Task, Variant
-from kdeq.train.data import Corruption, log_uniform
 
 #: the largest peak: a 16-bit detector's full scale
 MAX_PEAK = 65535
@@ -31,7 +29,6 @@ class DenoisePoissonOptions(Options):
     )
 
 
-@register_task
 class DenoisePoisson(Task):
     """Estimate the Poisson rate of `image`, whose pixel values are photon counts (8- or 16-bit); the
     output is the rate scaled so that `peak` counts are full scale, in the input's bit depth."""
@@ -59,14 +56,14 @@ class DenoisePoisson(Task):
         return (request.options.peak is None, request.solver)
 
     def tile_halo(self, predictor: PhotonDenoiser) -> int:
-        """The model's ``solve_reach`` (``kdeq.denoise``): the Poisson equation at a pixel reads the
-        guided kernel's row, the counts and the mean within the guided denoiser's reach."""
+        """The model's ``solve_reach`` (``kdeq.predictors.denoise``): the Poisson equation at a pixel reads
+        the guided kernel's row, the counts and the mean within the guided denoiser's reach."""
         return predictor.solve_reach
 
     def whole_image(self, predictor: PhotonDenoiser, request: Request) -> Request:
         """The guide's scale, the level its network centres on and the largest count fixed from the
-        whole image (``kdeq.photon.WholeImage``); without a given peak the tiles keep their rates in
-        counts (peak 1), and ``whole_result`` scales the whole output."""
+        whole image (``kdeq.predictors.photon.WholeImage``); without a given peak the tiles keep their rates
+        in counts (peak 1), and ``whole_result`` scales the whole output."""
         whole = WholeImage.of(torch.from_numpy(request.image)[None])
         options = request.options
         if options.peak is None:
@@ -75,7 +72,7 @@ class DenoisePoisson(Task):
 
     def whole_result(self, request: Request, solved: Solved) -> Solved:
         """Without a given peak: the output and its uncertainty divided by the whole estimate's
-        ``full_scale`` (``kdeq.photon``), as an untiled solve divides them."""
+        ``full_scale`` (``kdeq.predictors.photon``), as an untiled solve divides them."""
         if request.options.peak is not None:
             return solved
         peak = float(full_scale(torch.from_numpy(solved.output)[None]))
@@ -91,7 +88,7 @@ class DenoisePoisson(Task):
         first = requests[0]
         peaks = None if first.options.peak is None else [r.options.peak for r in requests]
         extra = {}
-        if "whole" in first.inputs:  # tiles of one image (kdeq.tiling), never batched with others
+        if "whole" in first.inputs:  # tiles of one image (kdeq.serving.tiling), never batched with others
             extra["whole"] = first.inputs["whole"]
         return (images,), {"peak": peaks, "solver": first.solver, **extra}
 
@@ -99,8 +96,8 @@ class DenoisePoisson(Task):
         return prediction.output[index], {"peak": float(prediction.peak[index])}
 
     def check_uncertainty(self, request: Request) -> None:
-        """The Laplace map (``kdeq.uncertainty``) weighs each pixel by its rate, which differs between
-        a colour image's channels; the map is one ``(H, W)`` image, so grey counts only."""
+        """The Laplace map (``kdeq.predictors.uncertainty``) weighs each pixel by its rate, which differs
+        between a colour image's channels; the map is one ``(H, W)`` image, so grey counts only."""
         if request.image.shape[0] != 1:
             raise InputError(
                 "uncertainty_unsupported", "the photon-count uncertainty map is for grey images only"
@@ -111,36 +108,3 @@ class DenoisePoisson(Task):
         rng = np.random.default_rng(0)
         rate = 10.0 * rng.random((1, size, size))
         return Request(rng.poisson(rate).astype(np.float32), self.options())
-
-    def corrupt(
-        self,
-        clean: torch.Tensor,
-        gen: torch.Generator,
-        settings: Corruption,
-        level: float | None = None,
-        shared: torch.Generator | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """``counts ~ Poisson(peak·clean)`` per pixel, with ``peak`` (white's mean count, also the
-        example's ``peak``) drawn log-uniformly from ``settings.peaks`` or the validation ``level``;
-        the target is ``clean``, which the model's ``r̂/peak`` estimates."""
-        peak = log_uniform(gen, *(settings.peaks if level is None else (level, level)))
-        counts = torch.poisson(peak * clean, generator=gen)
-        return {"target": clean, "counts": counts, "peak": torch.tensor(peak)}
-
-    def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(counts, peak)``: the counts ``(B, c, H, W)`` and their peaks ``(B,)``, given."""
-        return batch["counts"], batch["peak"]
-
-    def shown_input(self, example: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The counts ÷ peak ``(c, H, W)``: white at the example's peak, as the output is shown."""
-        return example["counts"] / example["peak"]
-
-    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
-        """Peaks 1, 4 and 30: a photon, a few, and a dim photograph."""
-        return (1.0, 4.0, 30.0)
-
-    def check_level(self, level: float, settings: Corruption) -> None:
-        if not 0 < level <= MAX_PEAK:
-            raise ValueError(
-                f"val level {level:g}: a denoise-poisson level is a peak count in (0, {MAX_PEAK}]"
-            )

@@ -1,4 +1,4 @@
-"""``inpaint``: fill the pixels a mask (or a zero alpha) marks missing (``kdeq.inpaint``)."""
+"""``inpaint``: fill the pixels a mask (or a zero alpha) marks missing (``kdeq.predictors.inpaint``)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kdeq.checkpoint import ModelSpec
-from kdeq.inpaint import Inpainter
-from kdeq.predictor import SolverOverride, pad_images
-from kdeq.tasks import register_task
-from kdeq.tasks.base import FileInput, InputError, Options, Request, Task, check_index_level, tile_level
-from kdeq.train.data import Corruption, make_mask
-from kdeq.train.objectives import psnr
+from kdeq.predictors.base import SolverOverride, pad_images
+from kdeq.predictors.inpaint import Inpainter
+from kdeq.predictors.spec import ModelSpecBase
+from kdeq.tasks.base import FileInput, InputError, Options, Request, Task, tile_level
 
 
-@register_task
 class Inpaint(Task):
     """Fill the missing pixels of `image` (given by `mask`, or by a zero alpha channel); known pixels
     are kept."""
@@ -37,7 +33,7 @@ class Inpaint(Task):
     )
     network = "mask"
 
-    def check_spec(self, spec: ModelSpec) -> None:
+    def check_spec(self, spec: ModelSpecBase) -> None:
         super().check_spec(spec)
         if spec.architecture.net is not None and spec.mean != "normalized_convolution":
             raise ValueError("the inpainter's network adds to the normalized_convolution mean")
@@ -80,7 +76,7 @@ class Inpaint(Task):
         return (request.solver,)
 
     def tile_halo(self, predictor: Inpainter) -> int:
-        """The model's ``solve_reach`` (``kdeq.inpaint``)."""
+        """The model's ``solve_reach`` (``kdeq.predictors.inpaint``)."""
         return predictor.solve_reach
 
     def whole_image(self, predictor: Inpainter, request: Request) -> Request:
@@ -102,46 +98,3 @@ class Inpaint(Task):
         rng = np.random.default_rng(0)
         image = rng.random((1, size, size), dtype=np.float32)
         return Request(image, self.options(), {"missing": rng.random((1, size, size)) < 0.3})
-
-    def corrupt(
-        self,
-        clean: torch.Tensor,
-        gen: torch.Generator,
-        settings: Corruption,
-        level: float | None = None,
-        shared: torch.Generator | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """A mask ``missing`` ``(1, H, W)`` of a kind drawn from ``settings.mask_kinds`` (``pixels``
-        masks miss a fraction drawn from ``settings.missing``), or of the kind the validation
-        ``level`` indexes (with the middle of ``missing``); ``image`` is ``clean``, whose missing
-        pixels the predictor never reads."""
-        if level is None:
-            kinds, fraction = settings.mask_kinds, settings.missing
-        else:
-            mid = sum(settings.missing) / 2
-            kinds, fraction = (settings.mask_kinds[int(level)],), (mid, mid)
-        # a kind is drawn even from one kind: validation examples are seeded like training ones
-        kind = kinds[int(torch.randint(len(kinds), (), generator=gen))]
-        miss = make_mask(kind, tuple(clean.shape[-2:]), fraction, gen)
-        # a patch with nothing observed carries no information; keep one pixel
-        miss.view(-1)[int(torch.randint(miss.numel(), (), generator=gen))] = False
-        return {"target": clean, "image": clean, "missing": miss[None]}
-
-    def predictor_inputs(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(image, missing)``: the images ``(B, c, H, W)`` and their masks ``(B, 1, H, W)``."""
-        return batch["image"], batch["missing"]
-
-    def score(self, out: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """PSNR on the missing pixels, the ones the model fills."""
-        return psnr(out, batch["target"], batch["missing"])
-
-    def val_levels(self, settings: Corruption) -> tuple[float, ...]:
-        """Every mask kind of the run."""
-        return tuple(float(i) for i in range(len(settings.mask_kinds)))
-
-    def check_level(self, level: float, settings: Corruption) -> None:
-        check_index_level(level, "inpaint", "mask_kinds", settings.mask_kinds)
-
-    def shown_input(self, example: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The image with its missing pixels black."""
-        return torch.where(example["missing"], torch.zeros_like(example["image"]), example["image"])

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kdeq.checkpoint import (
+from kdeq.models.checkpoint import (
     Checkpoint,
     CheckpointError,
     GuidedArchitecture,
@@ -28,11 +28,11 @@ from kdeq.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from kdeq.denoise import Denoiser
-from kdeq.tasks import TASKS
-from kdeq.train.data import Corruption, image_files, load_images, validation_set
+from kdeq.predictors.denoise import Denoiser
+from kdeq.train.data import image_files, load_images, validation_set
 from kdeq.train.objectives import psnr
 from kdeq.train.preflight import check_writable
+from kdeq.train.trainings import TRAININGS
 
 
 def with_bandwidth(checkpoint: Checkpoint, factor: float) -> Checkpoint:
@@ -72,7 +72,8 @@ def calibrate(
     if not factors or any(f <= 0 for f in factors):
         raise ValueError("factors must be positive")
     checkpoint = load_checkpoint(source)
-    examples = validation_set(load_images(image_files(val), 1), TASKS["denoise"], Corruption(), levels, seed)
+    denoise = TRAININGS["denoise"]
+    examples = validation_set(load_images(image_files(val), 1), denoise, denoise.knobs(), levels, seed)
     scores = {f: score(with_bandwidth(checkpoint, f), examples) for f in factors}
     best = max(factors, key=lambda f: sum(scores[f].values()) / len(scores[f]))
     chosen = with_bandwidth(checkpoint, best).config

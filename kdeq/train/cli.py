@@ -6,16 +6,18 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import get_args
+from typing import Literal, get_args, get_origin
 
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
-from kdeq.checkpoint import CheckpointError
-from kdeq.tasks import TASKS
+from kdeq.models.checkpoint import CheckpointError
+from kdeq.registry import TASKS
 from kdeq.train.config import TrainConfig
-from kdeq.train.data import MASK_KINDS
+from kdeq.train.loop import TrainingError, train
 from kdeq.train.objectives import SquaredError
 from kdeq.train.preflight import STATE_DIR, require, state_history
+from kdeq.train.trainings import TRAININGS, RunKnobs
 
 
 def _pair(text: str) -> tuple[float, float]:
@@ -58,9 +60,29 @@ def _option(p: argparse.ArgumentParser, flag: str, default: str | None = None, *
     p.add_argument(flag, help=f"{field.description} ({tail})".replace("%", "%%"), **kwargs)
 
 
+def knob_kwargs(field: FieldInfo) -> dict[str, object]:
+    """``add_argument``'s type, count and choices for a knob field (``kdeq.train.trainings.RunKnobs``),
+    from its annotation, and its metavar (``json_schema_extra``'s): ``bool`` a switch, ``int`` or
+    ``float`` one value, ``tuple[float, float]`` a comma-joined pair ``LO,HI``, ``tuple[X, ...]`` one
+    or more values (a ``Literal``'s choices); ``TypeError`` for another annotation."""
+    kind, args = field.annotation, get_args(field.annotation)
+    metavar = (field.json_schema_extra or {}).get("metavar")
+    if kind is bool:
+        return {"action": "store_true"}
+    if kind in (int, float):
+        return {"type": kind, "metavar": metavar}
+    if get_origin(kind) is tuple and args == (float, float):
+        return {"type": _pair, "metavar": metavar}
+    if get_origin(kind) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if get_origin(args[0]) is Literal:
+            return {"nargs": "+", "choices": get_args(args[0])}
+        return {"nargs": "+", "type": args[0], "metavar": metavar}
+    raise TypeError(f"a knob of type {kind} has no command-line form (kdeq.train.cli.knob_kwargs)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The trainer's options: one per ``TrainConfig`` field, described by it, and ``--quiet``."""
-    # every registered task: one without training hooks is refused by TrainConfig, with the reason
+    # every registered task: one without a training is refused by TrainConfig, with the reason
     _option(p, "--task", choices=list(TASKS))
     _option(p, "--spec", default="<task>-kglm")
     _option(p, "--init", choices=("kglm", "random"))
@@ -79,14 +101,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _option(p, "--schedule", choices=("cosine", "constant"))
     _option(p, "--warmup-steps", type=int, metavar="N")
     _option(p, "--clip-grad", type=float, metavar="NORM")
-    _option(p, "--sigma", type=_pair, metavar="LO,HI")
-    _option(p, "--clip-noise", action="store_true")
-    _option(p, "--mask-kinds", nargs="+", choices=MASK_KINDS)
-    _option(p, "--missing", type=_pair, metavar="LO,HI")
-    _option(p, "--flip", type=float, metavar="FRACTION")
-    _option(p, "--peaks", type=_pair, metavar="LO,HI")
-    _option(p, "--psfs", nargs="+", metavar="PSF")
-    _option(p, "--scales", nargs="+", type=int, metavar="S")
+    # the trainings' corruption knobs, each declared once (kdeq.train.tasks)
+    for name, field in RunKnobs.model_fields.items():
+        _option(p, "--" + name.replace("_", "-"), **knob_kwargs(field))
     _option(p, "--train-tol", type=float, metavar="TOL")
     _option(p, "--train-max-iter", type=int, metavar="N")
     _option(p, "--eval-tol", type=float, metavar="TOL")
@@ -160,8 +177,6 @@ def run(args: argparse.Namespace) -> int:
     """Train; exit status 0, or 2 with one line for bad settings or data, or for what the run would
     have needed (``kdeq.train.preflight``), before anything is written; 4 when training failed; 130
     when interrupted (Ctrl-C), saying how to continue."""
-    from kdeq.train.loop import TrainingError, train
-
     try:
         cfg = config_from_args(args)
         report = train(cfg, None if args.quiet else _progress_bars())
@@ -180,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     if hist["best_epoch"] is None:
         print("kdeq train: failed: no epoch had a finite validation score; nothing written", file=sys.stderr)
         return 4
-    score = f"val_{TASKS[cfg.task].score_name}"
+    score = f"val_{TRAININGS[cfg.task].score_name}"
     start, best = hist["epochs"][0][score], hist["epochs"][hist["best_epoch"]][score]
     print(
         f"wrote {cfg.out}: epoch {hist['best_epoch']} of {cfg.epochs}, {score} {start:.4g} at the "

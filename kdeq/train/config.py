@@ -6,31 +6,31 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from kdeq.checkpoint import ModelSpec, read_config
-from kdeq.implicit import Backward
-from kdeq.initialize import DEFAULT_SPECS, GROWN_SPECS
-from kdeq.psf import SR_SCALES, parse_psf
-from kdeq.tasks import TASKS
-from kdeq.tasks.denoise_poisson import MAX_PEAK
-from kdeq.train.data import DEBLUR_PSFS, MASK_KINDS, Corruption, MaskKind
+from kdeq.maths.implicit import Backward
+from kdeq.models.checkpoint import ModelSpec, read_config
+from kdeq.models.initialize import DEFAULT_SPECS, GROWN_SPECS
+from kdeq.registry import TASKS
 from kdeq.train.objectives import SquaredError
+from kdeq.train.tasks.base import Knobs
+from kdeq.train.trainings import TRAININGS, RunKnobs
 
 
-class TrainConfig(BaseModel):
+class TrainConfig(RunKnobs):
     """What ``kdeq train`` does: each field's description says what it means (``kdeq train --help``
     shows them with the defaults; ``kdeq.train.cli`` makes its options from them).
 
-    ``sigma``, ``clip_noise``, ``mask_kinds``, ``missing``, ``flip``, ``psfs``, ``scales`` and
-    ``peaks`` are the run's ``corruption()``, which each task reads what it needs from.
+    The corruption knobs (``sigma``, ``mask_kinds``, …) are the fields of ``RunKnobs``: every
+    training's (``kdeq.train.trainings.TRAININGS``) declared once, there. The task's training reads
+    its own (``task_knobs()``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     task: str = Field(
-        description="a registered task (kdeq.tasks.TASKS) that defines its training hooks "
-        "(kdeq.tasks.base.TRAINING_HOOKS); must match the spec's"
+        description="a registered task (kdeq.registry.TASKS) that has a training "
+        "(kdeq.train.trainings.TRAININGS); must match the spec's"
     )
     spec: str = Field(
         description="a shipped default's name (denoise-kglm, …), a ModelSpec JSON file or a checkpoint "
@@ -51,15 +51,15 @@ class TrainConfig(BaseModel):
     train_only: tuple[str, ...] = Field(
         (),
         description="train only the tensors whose names start with one of these (net_refine_: the "
-        "denoiser's non-local refinement, kdeq.refine); every other tensor and the λ factor stay as they "
-        "start; none: the whole model",
+        "denoiser's non-local refinement, kdeq.maths.refine); every other tensor and the λ factor stay as "
+        "they start; none: the whole model",
     )
     colour_net: int | None = Field(
         None,
         ge=4,
         le=256,
         description="grow the spec's σ-conditioned guide network a joint colour network of this many "
-        "features (kdeq.guidenet), from init's start: with warm_start on a trained denoiser and 3 "
+        "features (kdeq.maths.guidenet), from init's start: with warm_start on a trained denoiser and 3 "
         "channels, training moves only what colour images reach",
     )
     train: tuple[Path, ...] = Field(min_length=1, description="training image folders (PNG, JPEG, TIFF)")
@@ -84,29 +84,6 @@ class TrainConfig(BaseModel):
     )
     warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up of the step size")
     clip_grad: float = Field(1.0, gt=0, description="bound on the gradient's norm")
-    sigma: tuple[float, float] = Field(
-        (0.0, 55.0), description="noise levels (0–255), a range drawn uniformly"
-    )
-    clip_noise: bool = Field(False, description="clip noisy inputs to [0, 1]")
-    mask_kinds: tuple[MaskKind, ...] = Field(MASK_KINDS, description="the inpainting mask kinds drawn from")
-    missing: tuple[float, float] = Field(
-        (0.2, 0.9), description="the missing fraction of pixels masks, a range drawn uniformly (inpaint)"
-    )
-    flip: float = Field(0.1, ge=0, le=0.5, description="the largest label-flip fraction (segment)")
-    psfs: tuple[str, ...] = Field(
-        DEBLUR_PSFS,
-        min_length=1,
-        description="named PSFs (gaussian:SIGMA, disk:RADIUS, motion:LENGTH[,ANGLE]) the blurs are drawn "
-        "from, one per step (deblur; a PSF not even in each axis makes every solve CG)",
-    )
-    scales: tuple[int, ...] = Field(
-        (2, 3, 4),
-        min_length=1,
-        description="factors drawn from, one per step (super-resolve; each 2, 3 or 4)",
-    )
-    peaks: tuple[float, float] = Field(
-        (1.0, 30.0), description="photon counts of white, a range drawn log-uniformly (denoise-poisson)"
-    )
     train_tol: float | None = Field(
         None, gt=0, description="the forward solver's tolerance while training; unset: the model's"
     )
@@ -177,33 +154,18 @@ class TrainConfig(BaseModel):
     def _trainable(cls, task: str) -> str:
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; the tasks are {sorted(TASKS)}")
-        missing = TASKS[task].missing_training_hooks
-        if missing:
+        if task not in TRAININGS:
             raise ValueError(
-                f"the {task} task cannot be trained yet: its Task defines no {', '.join(missing)} "
-                "(kdeq.tasks.base.TRAINING_HOOKS)"
+                f"the {task} task cannot be trained yet: it has no training defining corrupt, "
+                "predictor_inputs, val_levels and check_level (kdeq.train.trainings.TRAININGS)"
             )
         return task
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        for name, (lo, hi), top in (("sigma", self.sigma, 255.0), ("missing", self.missing, 1.0)):
-            if not 0 <= lo <= hi <= top:
-                raise ValueError(f"{name} must be a range lo ≤ hi within [0, {top:g}], got ({lo}, {hi})")
-        if not 0 < self.peaks[0] <= self.peaks[1] <= MAX_PEAK:
-            raise ValueError(f"peaks must be a range 0 < lo ≤ hi ≤ {MAX_PEAK}, got {self.peaks}")
-        if not self.mask_kinds:
-            raise ValueError("mask_kinds needs at least one kind")
-        for name in self.psfs:
-            try:
-                parse_psf(name)
-            except ValueError as err:
-                raise ValueError(f"psfs: {err}") from None
-        if not set(self.scales) <= set(SR_SCALES):
-            raise ValueError(f"scales must be among {list(SR_SCALES)}, got {list(self.scales)}")
-        settings = self.corruption()
+        settings = self.task_knobs()
         for level in self.val_levels:
-            TASKS[self.task].check_level(level, settings)
+            TRAININGS[self.task].check_level(level, settings)
         spec = self.model_spec()
         if spec.task != self.task:
             raise ValueError(f"spec {self.spec!r} is a {spec.task} model, not {self.task}")
@@ -248,19 +210,12 @@ class TrainConfig(BaseModel):
             net["colour_channels"] = self.colour_net
         return ModelSpec.model_validate(data)
 
-    def corruption(self) -> Corruption:
-        """The corruption settings the task's examples are drawn within (labels flip by up to ``flip``)."""
-        return Corruption(
-            self.sigma,
-            self.clip_noise,
-            self.mask_kinds,
-            self.missing,
-            (0.0, self.flip),
-            self.psfs,
-            self.scales,
-            self.peaks,
-        )
+    def task_knobs(self) -> Knobs:
+        """The run's values of its task's knobs (``Training.knobs``), which the training's hooks
+        read: the settings its examples are drawn within."""
+        model = TRAININGS[self.task].knobs
+        return model.model_validate({name: getattr(self, name) for name in model.model_fields})
 
     def levels(self) -> tuple[float, ...]:
-        """``val_levels``, or the task's defaults (``Task.val_levels``)."""
-        return self.val_levels or TASKS[self.task].val_levels(self.corruption())
+        """``val_levels``, or the task's defaults (``Training.val_levels``)."""
+        return self.val_levels or TRAININGS[self.task].val_levels(self.task_knobs())

@@ -5,8 +5,8 @@ seeded from those three numbers, so a run is reproducible whatever the number
 of data workers or ranks, and ``--resume`` continues with exactly the samples
 an uninterrupted run would have drawn.
 
-Each task corrupts a clean patch its own way (``kdeq.tasks.base.Task.corrupt``, e.g. the
-denoiser's ``y = x + σn``), within the run's settings (``Corruption``); this module holds the
+Each task corrupts a clean patch its own way (``kdeq.train.tasks.base.Training.corrupt``, e.g.
+the denoiser's ``y = x + σn``), within the run's settings of its knobs; this module holds the
 pieces they draw: uniform numbers, inpainting masks of the kinds ``pixels`` (each pixel missing
 with a probability), ``blocks`` (random rectangles) and ``strokes`` (brush strokes: thick random
 walks), and the segmenter's binary target.
@@ -16,32 +16,19 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 
-from kdeq.imageio import read_image
-from kdeq.segment import luminance, otsu_threshold
-
-if TYPE_CHECKING:
-    from kdeq.tasks.base import Task
+from kdeq.images.imageio import read_image
+from kdeq.predictors.segment import luminance, otsu_threshold
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".tif", ".tiff"}
 MaskKind = Literal["pixels", "blocks", "strokes"]
 MASK_KINDS: tuple[MaskKind, ...] = ("pixels", "blocks", "strokes")
-#: the deblurrer's training blurs: PSFs even in each axis, which the model solves by transforms
-DEBLUR_PSFS: tuple[str, ...] = (
-    "gaussian:1",
-    "gaussian:1.6",
-    "gaussian:2.4",
-    "disk:2.5",
-    "motion:9",
-    "motion:15",
-)
 
 
 def image_files(directories: Sequence[str | Path]) -> list[Path]:
@@ -180,36 +167,24 @@ def binary_target(x: torch.Tensor) -> torch.Tensor:
     return (grey > tau.reshape(1, 1, 1)).to(torch.float32)
 
 
-@dataclass(frozen=True)
-class Corruption:
-    """A run's corruption settings (``TrainConfig``'s), which each task's ``corrupt`` hook reads
-    (``kdeq.tasks.base.Task.corrupt``; a task reads the fields it uses).
+class Corrupts(Protocol):
+    """What draws examples from clean images: a training (``kdeq.train.tasks.base.Training``)."""
 
-    Attributes:
-        sigma: noise-level range (0–255): the denoiser's noise, the segmenter's additive noise.
-        clip: clip noisy images to [0, 1] (the paper's experiment does).
-        mask_kinds: the inpainting mask kinds to draw from (uniformly).
-        missing: range of the missing probability of ``pixels`` masks.
-        flip: range of the fraction of flipped labels (segment).
-        psfs: named blur PSFs (``kdeq.psf.parse_psf``) to draw from, one per step (deblur).
-        scales: factors to draw from, one per step (super-resolve).
-        peaks: range of the photon counts of white, drawn log-uniformly (denoise-poisson).
-    """
-
-    sigma: tuple[float, float] = (0.0, 55.0)
-    clip: bool = False
-    mask_kinds: tuple[MaskKind, ...] = MASK_KINDS
-    missing: tuple[float, float] = (0.2, 0.9)
-    flip: tuple[float, float] = (0.0, 0.1)
-    psfs: tuple[str, ...] = DEBLUR_PSFS
-    scales: tuple[int, ...] = (2, 3, 4)
-    peaks: tuple[float, float] = (1.0, 30.0)
+    def corrupt(
+        self,
+        clean: torch.Tensor,
+        gen: torch.Generator,
+        settings: Any,
+        level: float | None = None,
+        shared: torch.Generator | None = None,
+    ) -> dict[str, torch.Tensor]: ...
 
 
 class PatchDataset(Dataset):
-    """``length`` random patches per epoch from ``images``, corrupted by ``task`` within ``corruption``;
-    sample ``i`` of epoch ``e`` depends only on ``(seed, e, i mod length)`` (call ``set_epoch``), and
-    the draws its step shares (``Task.corrupt``'s ``shared``) on ``(seed, e, ⌊i/group⌋)``: ``group``
+    """``length`` random patches per epoch from ``images``, corrupted by ``training`` within the run's
+    ``settings`` of its knobs; sample ``i`` of epoch ``e`` depends only on ``(seed, e, i mod length)``
+    (call ``set_epoch``), and the draws its step shares (``Training.corrupt``'s ``shared``) on
+    ``(seed, e, ⌊i/group⌋)``: ``group``
     is the samples of one optimiser step over every rank, and a step's indices ``i`` run on past
     ``length`` where the epoch's steps need more samples than it."""
 
@@ -217,13 +192,13 @@ class PatchDataset(Dataset):
         self,
         images: Sequence[torch.Tensor],
         size: int,
-        task: Task,
-        corruption: Corruption,
+        training: Corrupts,
+        settings: Any,
         length: int,
         seed: int,
         group: int = 1,
     ) -> None:
-        self.images, self.size, self.task, self.corruption = list(images), size, task, corruption
+        self.images, self.size, self.training, self.settings = list(images), size, training, settings
         self.length, self.seed, self.epoch, self.group = length, seed, 0, group
 
     def set_epoch(self, epoch: int) -> None:
@@ -238,24 +213,28 @@ class PatchDataset(Dataset):
         gen = sample_generator(self.seed, self.epoch, index % self.length)
         image = self.images[int(torch.randint(len(self.images), (), generator=gen))]
         shared = step_generator(self.seed, self.epoch, index // self.group)
-        return self.task.corrupt(random_patch(image, self.size, gen), gen, self.corruption, shared=shared)
+        return self.training.corrupt(random_patch(image, self.size, gen), gen, self.settings, shared=shared)
 
 
 def validation_set(
     images: Sequence[torch.Tensor],
-    task: Task,
-    corruption: Corruption,
+    training: Corrupts,
+    settings: Any,
     levels: Sequence[float],
     seed: int,
 ) -> list[dict[str, torch.Tensor]]:
-    """Fixed validation examples: every image at every level (``task.corrupt`` at ``level``, e.g. a
-    noise σ for denoise), plus the ``level`` itself, seeded by position so every epoch (and every
-    run with the same seed) sees the same inputs."""
+    """Fixed validation examples: every image at every level (``training.corrupt`` within the run's
+    ``settings`` at ``level``, e.g. a noise σ for denoise), plus the ``level`` itself, seeded by
+    position so every epoch (and every run with the same seed) sees the same inputs."""
     out = []
     for i, image in enumerate(images):
         for j, level in enumerate(levels):
             gen = sample_generator(seed, -1, i * len(levels) + j)
-            example = task.corrupt(image, gen, corruption, level)
+            example = training.corrupt(image, gen, settings, level)
             example["level"] = torch.tensor(float(level))
             out.append(example)
     return out
+
+
+# TEMPORARY (issue 56): the name kdeq/tasks' old training hooks import, until they are deleted;
+# delete it with them

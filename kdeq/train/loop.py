@@ -1,7 +1,7 @@
 """The training loop: Adam on the constrained model, rollback on trouble, per-epoch checkpoints, resume, DDP.
 
 One step: the batch's forward solve (``train_tol``/``train_max_iter``), the task's loss
-(``Task.loss``: per-sample log MSE or MSE for Gaussian tasks, cross-entropy for segmentation),
+(``Training.loss``: per-sample log MSE or MSE for Gaussian tasks, cross-entropy for segmentation),
 implicit (or Jacobian-free) gradients, gradient clipping, an Adam step at the
 scheduled rate, and ``project_``, which shortens a step that would make the equilibrium kernel
 indefinite.
@@ -49,12 +49,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from kdeq import backends, fused, native, netprecision
-from kdeq.atomic import write_files
-from kdeq.checkpoint import ModelSpec, Provenance, checkpoint_files, save_checkpoint
-from kdeq.precision import ieee_float32
-from kdeq.predictor import SolverOverride, resolve_device
-from kdeq.tasks import TASKS, Task
+from kdeq.maths import fused
+from kdeq.maths.precision import ieee_float32
+from kdeq.models.checkpoint import ModelSpec, Provenance, checkpoint_files, save_checkpoint
+from kdeq.predictors.base import SolverOverride, resolve_device
+from kdeq.runtime import backends, native, netprecision
+from kdeq.runtime.atomic import write_files
 from kdeq.train.config import TrainConfig
 from kdeq.train.data import (
     PatchDataset,
@@ -66,6 +66,8 @@ from kdeq.train.data import (
 from kdeq.train.model import TrainableModel, start_tensors
 from kdeq.train.preflight import REPORT_DIR, STATE_DIR, STATE_FILE, check_out, check_space, pyplot
 from kdeq.train.report import write_report
+from kdeq.train.tasks.base import Training
+from kdeq.train.trainings import TRAININGS
 
 
 class TrainingError(RuntimeError):
@@ -97,7 +99,7 @@ class EpochTotals:
 
     def add(
         self,
-        task: Task,
+        training: Training,
         loss: torch.Tensor,
         out: torch.Tensor,
         batch: dict,
@@ -106,7 +108,7 @@ class EpochTotals:
     ):
         n = out.shape[0]
         self.loss += loss.item() * n
-        self.score += task.score(out.detach(), batch).sum().item()
+        self.score += training.score(out.detach(), batch).sum().item()
         self.iterations += its.float().sum().item()
         self.converged += conv.float().sum().item()
         self.n += n
@@ -195,7 +197,7 @@ def _save_state(
     directory: Path, model: TrainableModel, opt: torch.optim.Adam, hist: History, fp: str
 ) -> None:
     """Parameters and Adam's moments (safetensors) and the counters (JSON), replaced as one set
-    (``kdeq.atomic.write_files``): an interrupted run leaves the previous epoch's state whole."""
+    (``kdeq.runtime.atomic.write_files``): an interrupted run leaves the previous epoch's state whole."""
     tensors = {f"param.{k}": v.detach().cpu().contiguous() for k, v in model.named_parameters()}
     for i, name in enumerate(_adam_order(model, opt)):
         for key, value in opt.state_dict()["state"].get(i, {}).items():
@@ -242,7 +244,7 @@ def evaluate(
 ) -> tuple[dict[str, float], list[torch.Tensor]]:
     """Validation metrics (mean loss, the task's score overall and per level, iterations, converged
     fraction) and the outputs ``(c, H, W)`` of the examples, one image at a time."""
-    task = TASKS[cfg.task]
+    training = TRAININGS[cfg.task]
     override = SolverOverride(tol=cfg.eval_tol, max_iter=cfg.eval_max_iter)
     scores: dict[float, list[float]] = {}
     losses, iters, conv, outputs = [], [], [], []
@@ -250,12 +252,12 @@ def evaluate(
         for ex in examples:
             batch = {k: v[None].to(device) for k, v in ex.items() if k != "level"}
             pred = model.run(batch, override)
-            losses.append(task.loss(pred.output, batch["target"], cfg.loss).item())
-            scores.setdefault(float(ex["level"]), []).append(task.score(pred.output, batch).item())
+            losses.append(training.loss(pred.output, batch["target"], cfg.loss).item())
+            scores.setdefault(float(ex["level"]), []).append(training.score(pred.output, batch).item())
             iters.append(pred.stats.iterations.float().mean().item())
             conv.append(pred.stats.converged.float().mean().item())
             outputs.append(pred.output[0].cpu())
-    score = task.score_name
+    score = training.score_name
     metrics = {
         "val_loss": sum(losses) / len(losses),
         f"val_{score}": sum(sum(v) for v in scores.values()) / sum(len(v) for v in scores.values()),
@@ -271,7 +273,8 @@ def validation_examples(cfg: TrainConfig) -> list[dict[str, torch.Tensor]]:
     """``cfg``'s fixed validation examples: the first ``val_limit`` images of ``val``, centre-cropped
     to ``val_crop``, each at every level (``validation_set``), the same for every epoch and run."""
     images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
-    return validation_set(images[: cfg.val_limit], TASKS[cfg.task], cfg.corruption(), cfg.levels(), cfg.seed)
+    training, settings = TRAININGS[cfg.task], cfg.task_knobs()
+    return validation_set(images[: cfg.val_limit], training, settings, cfg.levels(), cfg.seed)
 
 
 def _centre_crop(x: torch.Tensor, size: int) -> torch.Tensor:
@@ -293,7 +296,7 @@ def reproducible_arithmetic(device: torch.device | None = None) -> Iterator[None
     per-process timing of the convolution backends (``TRAINING_BACKEND``), the networks in float32 on
     any machine (a validation chooses the checkpoint), and the guided kernel's loops by torch whether
     or not a machine compiles its own on a CPU; on a CUDA ``device`` by Triton's fused kernels where
-    it imports (``kdeq.fused``: deterministic sums, no atomics), torch's otherwise."""
+    it imports (``kdeq.maths.fused``: deterministic sums, no atomics), torch's otherwise."""
     guided = "triton" if device is not None and device.type == "cuda" and fused.available() else "loop"
     with (
         backends.reproducible(TRAINING_BACKEND),
@@ -364,7 +367,7 @@ def _train(
 ) -> dict:
     spec = cfg.model_spec()
     fp = _fingerprint(cfg, rank.world)
-    task, corruption = TASKS[cfg.task], cfg.corruption()
+    training, settings = TRAININGS[cfg.task], cfg.task_knobs()
     # the data before the model: a folder without images is reported before any set-up
     train_files = image_files(cfg.train)
     train_images = load_images(train_files, cfg.channels)
@@ -391,7 +394,7 @@ def _train(
 
     per_step = cfg.batch_size * rank.world
     dataset = PatchDataset(
-        train_images, cfg.patch_size, task, corruption, cfg.samples_per_epoch, cfg.seed, per_step
+        train_images, cfg.patch_size, training, settings, cfg.samples_per_epoch, cfg.seed, per_step
     )
     steps_per_epoch = math.ceil(cfg.samples_per_epoch / per_step)
     total = steps_per_epoch * cfg.epochs
@@ -403,7 +406,7 @@ def _train(
         return lr_at(cfg, step, split) if step < split else lr_at(cfg, step - split, total - split)
 
     train_override = SolverOverride(tol=cfg.train_tol, max_iter=cfg.train_max_iter)
-    score = task.score_name
+    score = training.score_name
     start_outputs: list[torch.Tensor] = []
     started = time.perf_counter()
 
@@ -448,11 +451,11 @@ def _train(
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", RuntimeWarning)
                 out, iterations, converged, pilot = net(batch, train_override, pilot_only)
-                loss = task.loss(out, batch["target"], cfg.loss)
+                loss = training.loss(out, batch["target"], cfg.loss)
                 if pilot is not None and cfg.pilot_loss > 0:
-                    loss = loss + cfg.pilot_loss * task.loss(pilot, batch["target"], cfg.loss)
+                    loss = loss + cfg.pilot_loss * training.loss(pilot, batch["target"], cfg.loss)
                 opt.zero_grad(set_to_none=False)
-                # the backward's convolutions run outside the forward's IEEE section (kdeq.precision)
+                # the backward's convolutions run outside the forward's IEEE section (kdeq.maths.precision)
                 with ieee_float32():
                     loss.backward()
             # the adjoint solve's shortfalls are counted, not printed at every step; others pass through
@@ -485,7 +488,7 @@ def _train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
             opt.step()
             model.project_()
-            sums.add(task, loss, out, batch, iterations, converged)
+            sums.add(training, loss, out, batch, iterations, converged)
             if bar is not None:
                 bar.set_postfix(
                     loss=f"{sums.mean('loss'):.3g}",

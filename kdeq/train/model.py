@@ -25,7 +25,7 @@ constrained views of the parameters:
 - a guided model also learns ``log`` factors on ``λ`` and on the bandwidth ``h``
   (its normalised kernel is blind to the scale of ``spatial``, so ``λ`` needs its own);
   ``export`` folds them back into the ``λ`` rule and the kernel's ``bandwidth``;
-- a guided model with a guide network (``kdeq.guidenet``) learns the network, its mean mixing and
+- a guided model with a guide network (``kdeq.maths.guidenet``) learns the network, its mean mixing and
   the ``λ`` factor; its kernel taps, guide smoothing and bandwidth stay at their start, so the
   weight maps need no autograd (without it the solve already costs ~4× the network per step). The
   trainer adds the pilot's own loss (``pilot_loss``), through which the guide is learned. An
@@ -40,7 +40,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kdeq.checkpoint import (
+from kdeq.maths.guidenet import REFINE
+from kdeq.maths.implicit import Backward
+from kdeq.maths.kernels import symbol_min_eigenvalue
+from kdeq.maths.spectral import circular_spectral_norm
+from kdeq.models.checkpoint import (
     FORMAT_VERSION,
     Checkpoint,
     ConvArchitecture,
@@ -50,13 +54,10 @@ from kdeq.checkpoint import (
     load_checkpoint,
     task_family,
 )
-from kdeq.guidenet import REFINE
-from kdeq.implicit import Backward
-from kdeq.initialize import init_tensors
-from kdeq.kernels import symbol_min_eigenvalue
-from kdeq.predictor import Prediction, SolverOverride
-from kdeq.spectral import circular_spectral_norm
-from kdeq.tasks import TASKS
+from kdeq.models.initialize import init_tensors
+from kdeq.predictors.base import Prediction, SolverOverride
+from kdeq.registry import TASKS
+from kdeq.train.trainings import TRAININGS
 
 #: the eigenvalue floor ``project_`` leaves, relative to ``Σ|C|`` (above the checkpoint check's −1e-6)
 PSD_MARGIN = 1e-6
@@ -116,8 +117,8 @@ def random_tensors(spec: ModelSpec, seed: int) -> dict[str, torch.Tensor]:
 class TrainableModel(nn.Module):
     """``spec``'s predictor with ``tensors`` as parameters; see the module docstring.
 
-    ``forward(inputs)`` takes a batch of the task's examples (``Task.corrupt``, collated; the
-    predictor's arguments are ``Task.predictor_inputs``) and returns the
+    ``forward(inputs)`` takes a batch of the task's examples (``Training.corrupt``, collated; the
+    predictor's arguments are ``Training.predictor_inputs``) and returns the
     prediction's ``(output, iterations, converged, pilot)`` (shapes ``(B, c, H, W)``, ``(B,)``,
     ``(B,)``, and ``(B, c, H, W)`` or ``None`` without a guide network).
     """
@@ -183,7 +184,7 @@ class TrainableModel(nn.Module):
             weights_sha256="0" * 64,  # in memory only; save_checkpoint computes the real one
         )
         frozen = {k: v.detach().cpu() for k, v in tensors.items()}
-        self.task = TASKS[spec.task]
+        self.task, self.training = TASKS[spec.task], TRAININGS[spec.task]
         self.predictor = self.task.predictor(Checkpoint(config, frozen, Path("<training>")), device)
         self.predictor.backward = backward
         #: steps ``project_`` shortened to stay PSD (reported by the trainer)
@@ -196,7 +197,7 @@ class TrainableModel(nn.Module):
     def phase_parameters(self, pilot_only: bool) -> list[str]:
         """The names of the parameters a phase's loss depends on, in ``named_parameters`` order:
         every trainable one for the whole model; for the pilot phase (``pilot_only``) the guide
-        network's, its mean mixing ``β`` and its refinement ``H_φ`` (``kdeq.refine``) excepted, which
+        network's, its mean mixing ``β`` and its refinement ``H_φ`` (``kdeq.maths.refine``) excepted, which
         only enter the solve's mean, as the kernel banks and the ``λ`` factor do."""
         if not pilot_only:
             return list(self._trainable)
@@ -249,7 +250,7 @@ class TrainableModel(nn.Module):
     def pilot(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         """The network's pilot alone as ``forward``'s output (no solve: 0 iterations, converged)."""
         self._bind()
-        out = self.predictor.pilot_only(*self.task.predictor_inputs(inputs))
+        out = self.predictor.pilot_only(*self.training.predictor_inputs(inputs))
         n = out.shape[0]
         return (
             out,
@@ -261,7 +262,7 @@ class TrainableModel(nn.Module):
     def run(self, inputs: dict[str, torch.Tensor], solver: SolverOverride | None = None) -> Prediction:
         """The predictor's ``forward`` on one batch (``predict`` semantics when autograd is off)."""
         self._bind()
-        return self.predictor.forward(*self.task.predictor_inputs(inputs), solver=solver)
+        return self.predictor.forward(*self.training.predictor_inputs(inputs), solver=solver)
 
     @torch.no_grad()
     def project_(self) -> None:

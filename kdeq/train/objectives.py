@@ -1,4 +1,4 @@
-"""Losses and scores: what the tasks' training hooks (``kdeq.tasks.base.Task.loss`` and ``score``)
+"""Losses and scores: what the tasks' trainings (``kdeq.train.tasks.base.Training.loss`` and ``score``)
 minimise and report, on batches of outputs and targets ``(B, c, H, W)``."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from types import ModuleType
 
-#: the file whose presence makes a folder a checkpoint (``kdeq.checkpoint.CONFIG_FILE``)
+#: the file whose presence makes a folder a checkpoint (``kdeq.models.checkpoint.CONFIG_FILE``)
 CHECKPOINT_FILE = "config.json"
 #: the trainer's resume state inside ``out`` and the file that marks it complete
 STATE_DIR = "train-state"

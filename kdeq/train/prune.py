@@ -1,6 +1,6 @@
 """A denoiser's guide networks cut to fewer features, the start of a leaner model (``kdeq prune``).
 
-Each hidden layer ``i < depth − 1`` of a network (``kdeq.guidenet``: the grey ``N_θ`` or the joint
+Each hidden layer ``i < depth − 1`` of a network (``kdeq.maths.guidenet``: the grey ``N_θ`` or the joint
 colour ``N_θ^c``) keeps the features of largest saliency
 
     s_j = E|a_ij| · ‖W_{i+1}[:, j]‖₁,
@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kdeq.checkpoint import (
+from kdeq.maths.guidenet import GuideNet, network_input, to_opponent
+from kdeq.models.checkpoint import (
     Checkpoint,
     CheckpointError,
     ModelSpec,
@@ -35,7 +36,6 @@ from kdeq.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from kdeq.guidenet import GuideNet, network_input, to_opponent
 from kdeq.train.data import image_files, load_images, random_patch
 from kdeq.train.preflight import check_writable
 
@@ -47,7 +47,7 @@ Tensors = dict[str, torch.Tensor]
 
 def saliency(tensors: Tensors, prefix: str, depth: int, h: torch.Tensor) -> list[torch.Tensor]:
     """``s`` ``(features,)`` of each hidden layer of the network ``<prefix>_<i>`` on its input ``h``
-    ``(N, 5 or 13, H', W')`` (``kdeq.guidenet.network_input``)."""
+    ``(N, 5 or 13, H', W')`` (``kdeq.maths.guidenet.network_input``)."""
     out = []
     with torch.no_grad():
         for i in range(depth - 1):

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from kdeq.atomic import write_files
-from kdeq.tasks import TASKS, Task
+from kdeq.runtime.atomic import write_files
 from kdeq.train.config import TrainConfig
 from kdeq.train.preflight import pyplot
+from kdeq.train.tasks.base import Training
+from kdeq.train.trainings import TRAININGS
 
 
 def _png(fig) -> bytes:
@@ -51,14 +52,14 @@ def _show(x: torch.Tensor):
 
 
 def image_grid(
-    task: Task,
+    training: Training,
     examples: list[dict[str, torch.Tensor]],
     before: list[torch.Tensor],
     after: list[torch.Tensor],
     rows: int = 4,
 ) -> bytes | None:
-    """A PNG of rows of (input as ``task`` shows it, start's output, trained output, target) for the
-    first ``rows`` of ``task``'s examples; ``None`` without examples."""
+    """A PNG of rows of (input as ``training`` shows it, start's output, trained output, target) for
+    the first ``rows`` of ``training``'s examples; ``None`` without examples."""
     plt = pyplot()
     n = min(rows, len(examples), len(before), len(after))
     if n == 0:
@@ -68,7 +69,7 @@ def image_grid(
         ex = examples[r]
         for c, (img, label) in enumerate(
             (
-                (task.shown_input(ex), "input"),
+                (training.shown_input(ex), "input"),
                 (before[r], "start"),
                 (after[r], "trained"),
                 (ex["target"], "target"),
@@ -93,9 +94,9 @@ def write_report(
 ) -> None:
     """``metrics.json`` (settings and every epoch's metrics) and ``loss.png``, ``val_<score>.png`` (the
     task's score), ``iterations.png``, ``grid.png`` in ``directory``, replaced as one set
-    (``kdeq.atomic.write_files``, ``metrics.json`` last)."""
-    task = TASKS[cfg.task]
-    score, name = task.score_name, task.score_label
+    (``kdeq.runtime.atomic.write_files``, ``metrics.json`` last)."""
+    training = TRAININGS[cfg.task]
+    score, name = training.score_name, training.score_label
     epochs = hist.epochs
     doc = {
         "config": cfg.model_dump(mode="json"),
@@ -115,7 +116,7 @@ def write_report(
             "Forward solver iterations",
         ),
     }
-    grid = image_grid(task, val_set, before, after)
+    grid = image_grid(training, val_set, before, after)
     if grid is not None:
         files["grid.png"] = grid
     files["metrics.json"] = (json.dumps(doc, indent=1) + "\n").encode()

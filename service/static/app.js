@@ -407,7 +407,7 @@ const WIDGETS = {
   psf: { files: ["psf_image"], build: psfWidget },
 };
 
-// the named PSFs of kdeq.psf.parse_psf: `kind:P1[,P2]`, in this parameter order
+// the named PSFs of kdeq.maths.psf.parse_psf: `kind:P1[,P2]`, in this parameter order
 const PSF_KINDS = {
   gaussian: { label: "Gaussian", params: [{ key: "sigma", label: "Width σ (pixels)", value: 1.6, min: 0.1 }] },
   disk: { label: "disk (defocus)", params: [{ key: "radius", label: "Radius (pixels)", value: 3, min: 0.5 }] },
