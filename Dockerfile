@@ -69,9 +69,9 @@ RUN if [ "${OFFLINE}" = 1 ]; then set -- --no-index --find-links /wheels --no-bu
     && cd / && /opt/kdeq/bin/python -c "import kdeq, service.app, service.healthcheck"
 
 FROM base AS runtime
-# a C compiler: kdeq compiles the guided kernel's CPU loops for the host's CPU on first use (the
-# warm-up's), 1.2-2.3x faster than torch's (kdeq/runtime/native.py; docs/BENCHMARKS.md, "the offset loops
-# compiled"); without one it runs torch's. NATIVE=0 leaves it out (a GPU-only image); an offline
+# a C compiler: kdeq compiles the guided kernel's CPU loops for the host's CPU on first use (the warm-up's),
+# 1.2-2.3x faster than torch's (kdeq/runtime/native.py; docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "the
+# offset loops compiled"); without one it runs torch's. NATIVE=0 leaves it out (a GPU-only image); an offline
 # build installs nothing, so its base must bring one (deploy/test-image.sh's does)
 ARG NATIVE=1
 ARG OFFLINE=0

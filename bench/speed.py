@@ -511,7 +511,7 @@ def holes(shape: tuple[int, int], gen: torch.Generator) -> np.ndarray:
 
 
 #: a benchmark input: the request's image and files, the images ``kdeq TASK`` reads (by option name),
-#: and the batch that the task's score reads (``Task.score``: the target, the mask)
+#: and the batch that the training's score reads (``Training.score``: the target, the mask)
 Corrupted = tuple[np.ndarray, dict, dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
@@ -746,8 +746,9 @@ def main() -> None:
             {
                 "machine": platform.platform(),
                 "malloc_keep": kept,
-                # the kernels torch runs (AVX2, AVX512, …): machines of one name differ in it, and the
-                # ratios to other methods moved with it (docs/BENCHMARKS.md, "another machine")
+                # the kernels torch runs (AVX2, AVX512, …): machines of one name differ in it, and the ratios
+                # to other methods moved with it (docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "another
+                # machine")
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "cpus": torch.get_num_threads(),
                 "torch": torch.__version__,

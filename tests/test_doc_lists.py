@@ -63,7 +63,8 @@ def test_the_middleware_chain_is_the_apps() -> None:
 
 
 def test_every_path_the_architecture_page_names_exists() -> None:
-    for path in set(re.findall(r"\b((?:kdeq|service|tests|deploy)/[\w/.-]*\w)", ARCHITECTURE)):
+    # a path with a placeholder (``kdeq/tasks/<task>.py``) names a kind of file, not one
+    for path in set(re.findall(r"\b((?:kdeq|service|tests|deploy)/[\w/.-]*\w)(?![\w/.-]*<)", ARCHITECTURE)):
         assert (ROOT / path).exists(), path
 
 

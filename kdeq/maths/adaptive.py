@@ -186,8 +186,9 @@ def guided_weights(
 #: the most bytes of weight maps kept between solves on a CPU, to be written again by the next solve
 #: of at most that size. Maps beyond glibc's largest mmap threshold (32 MiB) are fresh pages at every
 #: solve, each faulted in on its first write: one 512² image's 118 MiB made the default denoiser's
-#: solve 1.2x slower than kept maps on this project's 2-core CPU (docs/BENCHMARKS.md). Above this
-#: size the maps are allocated per solve, and their memory is given back after it
+#: solve 1.2x slower than kept maps on this project's 2-core CPU
+#: (docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "kept weight maps"). Above this size the maps are
+#: allocated per solve, and their memory is given back after it
 KEPT_BYTES = 256 << 20
 
 
@@ -638,9 +639,10 @@ class GuidedOperator:
         here = (..., slice(r, r + height), slice(r, r + width))
         both, scale = F.pad(both, (r, r, r, r)), F.pad(scale, (r, r, r, r))
         total = torch.zeros_like(both)
-        # a few offsets' maps at a time, together within about a core's cache: fewer, larger
-        # operations where the maps are small, one map at a time where one fills it (the pass is
-        # bound by memory: all of a row's offsets at once was slower, BENCHMARKS)
+        # a few offsets' maps at a time, together within about a core's cache: fewer, larger operations where
+        # the maps are small, one map at a time where one fills it (the pass is bound by memory: all of a
+        # row's offsets at once was slower: docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "matches
+        # aggregated by patch")
         chunk = max(1, min(16, _MATCH_CACHE_BYTES // (both.shape[0] * height * width * both.element_size())))
         box_in = both.new_zeros(both.shape[0], chunk, height + 2 * p, width + 2 * p)
         rows = both.new_empty(both.shape[0], chunk, height + 2 * p, width)

@@ -63,10 +63,11 @@ KAISER_BETA = 2.0
 #: of 16 grey 7×7 patches (fewer for larger ones, ``filtered``): a 512² image's groups are ~23 M
 #: values at once otherwise
 CHUNK = 4096
-#: the groups filtered at a time on a CPU, counted as ``CHUNK``'s: each array of a chunk then stays
-#: within the blocks the C heap reuses (``kdeq.runtime.heap``), and in the cache longer. Against 4096,
-#: ``denoise-kglm-collab:5`` took 0.91 of the time on grey 512² images and the 4-megapixel mosaic in
-#: tiles 0.97 of the time at 0.81 of the peak memory, bit for bit the same (docs/BENCHMARKS.md)
+#: the groups filtered at a time on a CPU, counted as ``CHUNK``'s: each array of a chunk then stays within the
+#: blocks the C heap reuses (``kdeq.runtime.heap``), and in the cache longer. Against 4096,
+#: ``denoise-kglm-collab:5`` took 0.91 of the time on grey 512² images and the 4-megapixel mosaic in tiles
+#: 0.97 of the time at 0.81 of the peak memory, bit for bit the same
+#: (docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "the C heap kept for the next tensor")
 CPU_CHUNK = 1024
 #: offsets whose patch distances are held at once while matching (of the window's ``((2R + 1)² − 1)/2``)
 OFFSETS_AT_ONCE = 16

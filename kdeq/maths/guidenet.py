@@ -381,12 +381,12 @@ def unshuffle(v: torch.Tensor) -> torch.Tensor:
     return F.pixel_unshuffle(F.pad(v, (0, pw, 0, ph), mode="replicate") if ph or pw else v, 2)
 
 
-#: on a CPU, the most activation bytes (``N·channels·H'·W'·4``) one call of ``N_θ`` runs on: beyond
-#: it a sample cost up to 1.5× what it costs alone (three 256² half-resolution samples, a 512² colour
-#: image's opponent channels: 327 against 220 ms each on this project's 2-core AVX2 CPU). On the Zen 5
-#: one, with the C heap's thresholds of ``kdeq.runtime.heap``, a batch within this bound costs what its
-#: samples cost alone, and those three samples in float32 (38 MiB of activations, above the heap's 32 MiB
-#: blocks) 1.34× as much (docs/BENCHMARKS.md)
+#: on a CPU, the most activation bytes (``N·channels·H'·W'·4``) one call of ``N_θ`` runs on: beyond it a
+#: sample cost up to 1.5× what it costs alone (three 256² half-resolution samples, a 512² colour image's
+#: opponent channels: 327 against 220 ms each on this project's 2-core AVX2 CPU). On the Zen 5 one, with the C
+#: heap's thresholds of ``kdeq.runtime.heap``, a batch within this bound costs what its samples cost alone,
+#: and those three samples in float32 (38 MiB of activations, above the heap's 32 MiB blocks) 1.34× as much
+#: (docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "the C heap kept for the next tensor")
 CPU_CALL_BYTES = 16 << 20
 
 
@@ -436,9 +436,10 @@ def _layers(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """``_network``'s one call, through the layers ``<prefix>_<i>``, computed in ``dtype``."""
-    # channels-last from the first layer to the last: oneDNN then runs the 3×3 convolutions on 64
-    # features without reordering their input and output at every layer (the default denoiser's
-    # solve 1.05–1.33× faster on this project's CPU; docs/BENCHMARKS.md)
+    # channels-last from the first layer to the last: oneDNN then runs the 3×3 convolutions on 64 features
+    # without reordering their input and output at every layer (the default denoiser's solve 1.05–1.33× faster
+    # on this project's CPU; docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "the default denoiser against
+    # non-local means and BM3D")
     last = torch.channels_last
     out_dtype = h.dtype
     h = h.to(dtype).contiguous(memory_format=last)

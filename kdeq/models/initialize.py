@@ -10,8 +10,9 @@ A plug-and-play spec (``kdeq.maths.pnp``) embeds a denoiser: its kGLM start is i
 ``compose_checkpoint`` builds it around a denoiser checkpoint instead (a fine-tuned one), whose spec
 and tensors it takes whole.
 
-The defaults' hyperparameters were chosen on Train400 (never on the test sets):
-see ``docs/BENCHMARKS.md``.
+The defaults' hyperparameters were chosen on Train400 (never on the test sets): see
+``docs/log/benchmarks-2026-11-21-to-2026-11-28.md``, "Quality of the default models against classical
+baselines".
 """
 
 from __future__ import annotations
@@ -247,7 +248,8 @@ DEFAULT_SPECS: tuple[ModelSpec, ...] = (
         description="Poisson kGLM denoiser of photon counts (8- or 16-bit, grey or colour): the exact "
         "Poisson likelihood with the adaptive kernel of the variance-stabilised image.",
         architecture=GUIDED_DENOISER,
-        # the prior's precision on the log-rate, chosen on Train400 (docs/BENCHMARKS.md, issue 25)
+        # the prior's precision on the log-rate, chosen on Train400 (issue 25;
+        # docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "Photon-limited denoising")
         lam=FixedLambda(value=25.0),
         mean="local",
         solver=SolverConfig(method="anderson", tol=1e-4, max_iter=100),
@@ -346,8 +348,9 @@ GROWN_SPECS: tuple[ModelSpec, ...] = (
 
 
 #: plug-and-play models (``kdeq.maths.pnp``), composed around a denoiser checkpoint by ``kdeq init --prior
-#: DIR`` (the prior here is the closed-form default's, which the composition replaces); the schedule
-#: and ``λ`` rule were chosen on Train400 validation images (``docs/BENCHMARKS.md``)
+#: DIR`` (the prior here is the closed-form default's, which the composition replaces); the schedule and ``λ``
+#: rule were chosen on Train400 validation images (``docs/log/benchmarks-2026-11-21-to-2026-11-28.md``,
+#: "Plug-and-play deblurring")
 PLUG_AND_PLAY_SPECS: tuple[ModelSpec, ...] = (
     ModelSpec(
         name="deblur-kglm",

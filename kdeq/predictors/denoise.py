@@ -313,9 +313,9 @@ class Denoiser(Predictor):
         mean = op.local_mean if local else self._mean(x, valid, sizes, level)
         if pilot_image is not None:
             p = pilot_image
-            # a colour image only with a colour network: its kernel compares colour patches, whose
-            # matches H_φ, trained on grey images, misreads (0.02-0.04 dB lost on unseen colour
-            # scenes, BENCHMARKS)
+            # a colour image only with a colour network: its kernel compares colour patches, whose matches
+            # H_φ, trained on grey images, misreads (0.02-0.04 dB lost on unseen colour scenes,
+            # docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "repeated texture through the mean")
             if refine is not None and refines(refine, x.shape[1]):
                 p, nu = refined_pilot(op, x, pilot_image, s, self.tensors, refine, sizes)
                 if probe is not None:

@@ -21,9 +21,9 @@ image used does not stay resident). It also gives every thread the main heap (``
 gives a thread an arena of its own, heaps of at most 64 MiB that it maps and unmaps as they fill
 and empty, and the service solves on a worker thread. Its colour 256² requests with float32 networks
 took 1.14–1.23× the same work in process with the thread's arena, 1.07× with the main heap
-(docs/BENCHMARKS.md). The threads that allocate are few (a worker per device, the requests'
-decoding): with eight clients the server's throughput was the same with one arena as with glibc's
-own. ``system`` leaves glibc's own settings.
+(docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "the C heap kept for the next tensor"). The threads that
+allocate are few (a worker per device, the requests' decoding): with eight clients the server's throughput was
+the same with one arena as with glibc's own. ``system`` leaves glibc's own settings.
 
 The option is the environment variable ``KDEQ_MALLOC`` (``keep``, the default, or ``system``), or
 ``configure``'s argument. Only the processes kdeq owns configure the heap: the ``kdeq`` command

@@ -1,9 +1,10 @@
 """The guided kernel's offset loops as compiled C (``native.c``), for the CPU.
 
 ``kdeq.maths.adaptive`` makes the weight maps, applies ``K`` and gathers the non-local matches an offset at a
-time, a few torch operations per offset: each one a pass over a map in memory, so that on a CPU the
-loops are bound by memory traffic and by the operations' count, not by arithmetic (docs/BENCHMARKS.md).
-``native.c`` does each loop in one pass over a block of rows, its intermediate rows in cache.
+time, a few torch operations per offset: each one a pass over a map in memory, so that on a CPU the loops are
+bound by memory traffic and by the operations' count, not by arithmetic
+(docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "the offset loops compiled"). ``native.c`` does each loop in
+one pass over a block of rows, its intermediate rows in cache.
 
 The file is compiled the first time it is needed, by the C compiler ``CC`` (default ``cc``) for the
 machine it runs on (``-march=native``), and kept in ``KDEQ_NATIVE_CACHE`` (default
@@ -171,9 +172,9 @@ def openmp_runtimes(maps: str) -> set[str]:
     """The OpenMP runtimes' files among a process's mapped files (``/proc/self/maps``' text). The
     library must run on torch's (the loader reuses the ``libgomp.so.1`` torch loaded): one that its
     loading brings would keep threads of a second pool, which compete with torch's spinning workers
-    for the cores and lost to torch's loops by 2.4× (docs/BENCHMARKS.md, "the offset loops
-    compiled"). Others already in the process (scikit-learn bundles a ``libgomp`` of its own, under
-    another name) are not the library's."""
+    for the cores and lost to torch's loops by 2.4× (docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "the
+    offset loops compiled"). Others already in the process (scikit-learn bundles a ``libgomp`` of its own,
+    under another name) are not the library's."""
     found = set()
     for line in maps.splitlines():
         fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path

@@ -3,11 +3,11 @@
 A guide network (``kdeq.maths.guidenet``) is an ordinary ReLU CNN whose output, the pilot ``p``, is read
 once, as the kernel's guide and the solve's mean; the kGLM operators that follow stay in IEEE
 float32 whatever this module chooses (``kdeq.maths.precision``: their residuals cannot afford rounding).
-Run in bfloat16 (8 mantissa bits; oneDNN accumulates each convolution in float32 and rounds its
-output), every served model's score moves by at most 0.0015 dB (``denoise-kglm:4`` on Set12, BSD68
-and CBSD68; docs/BENCHMARKS.md). On a CPU with bfloat16 dot products (AVX512_BF16, AMX) the 3×3
-convolutions then run 2–3× faster; where bfloat16 is emulated they run 2–10× slower, which the
-measurement finds.
+Run in bfloat16 (8 mantissa bits; oneDNN accumulates each convolution in float32 and rounds its output), every
+served model's score moves by at most 0.0015 dB (``denoise-kglm:4`` on Set12, BSD68 and CBSD68;
+docs/log/benchmarks-2026-11-21-to-2026-11-28.md, "the guide networks in bfloat16"). On a CPU with bfloat16 dot
+products (AVX512_BF16, AMX) the 3×3 convolutions then run 2–3× faster; where bfloat16 is emulated they run
+2–10× slower, which the measurement finds.
 
 The options are ``float32`` (preferred) and ``bfloat16``, chosen by ``kdeq.runtime.autotune`` once per shape
 class (device, features, and the batch and each side of the unshuffled input rounded up to a power

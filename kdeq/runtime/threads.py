@@ -5,10 +5,9 @@ torch's intra-op pool (OpenMP) and the compiled loops (``kdeq.runtime.native``, 
 the slowest. When other processes hold those cores, the thread that lost its core holds up
 every operation for a scheduler time slice (milliseconds), and a solve of thousands of small
 operations, a deblur's or an inpainting's, takes many times its time: with the machine
-oversubscribed, a colour deblur on two threads took 5.4× what it took on one (docs/BENCHMARKS.md,
-"a busy neighbour"), and two replicas on two threads each served 45–220× fewer images than on one
-each. On one thread a solve gets its fair share of a core instead. So the count follows two
-numbers:
+oversubscribed, a colour deblur on two threads took 5.4× what it took on one (docs/BENCHMARKS.md, "Threads and
+backends on the CPU"), and two replicas on two threads each served 45–220× fewer images than on one each. On
+one thread a solve gets its fair share of a core instead. So the count follows two numbers:
 
 - **the cores the process has** (``available_cores``): its CPU affinity and its cgroup's CPU quota
   (``cpu.max``, or cgroup v1's ``cpu.cfs_quota_us``/``cpu.cfs_period_us``), rounded up — not

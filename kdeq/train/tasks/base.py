@@ -5,7 +5,7 @@ clean patch (``corrupt``), within the run's settings of the knobs it declares (i
 model: each field's type, default, bounds and description), the predictor's arguments from a
 batch of examples, the loss, the validation score and levels, and the input the report shows.
 The trainer's settings (``kdeq.train.config.TrainConfig``) and command line (``kdeq.train.cli``)
-are built from the knobs' declarations (``kdeq.train.tasks.RunKnobs``).
+are built from the knobs' declarations (``kdeq.train.trainings.RunKnobs``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Knobs(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-def closed_range(top: float):
+def closed_range(top: float) -> AfterValidator:
     """A validator of a range ``(lo, hi)`` with ``0 ≤ lo ≤ hi ≤ top``, its message naming the field."""
 
     def check(value: tuple[float, float], info: ValidationInfo) -> tuple[float, float]:
