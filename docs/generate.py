@@ -4,7 +4,8 @@
 - ``docs/configuration.md`` from ``service.settings.Settings``;
 - ``docs/dashboard.md`` from the Grafana dashboard and the Prometheus rules;
 - ``docs/client.md``'s table of methods from the registered tasks (the rest of that page is
-  hand-written).
+  hand-written);
+- README.md's model table from the served models and their pages' ``**What it is:**`` lines.
 
     .venv/bin/python docs/generate.py        (tests/test_docs.py checks the committed pages are current)
 """
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from kdeq.client import method_name  # noqa: E402
 from kdeq.registry import TASKS  # noqa: E402
 from service.app import create_app  # noqa: E402
 from service.metrics import INFERENCE_ROUTES  # noqa: E402
+from service.registry import ModelRegistry  # noqa: E402
 from service.routes import Result  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
@@ -211,6 +214,37 @@ def client_page() -> str:
     return head + CLIENT_TABLE + "".join(rows) + "\n" + tail
 
 
+MODELS_TABLE = "| model | task | what it is | served |\n|---|---|---|---|\n"
+
+
+def readme() -> str:
+    """README.md with its model table rebuilt: one row per model the service serves by default (the
+    highest version of each folder of ``models/``, ``ModelRegistry``), its tasks in the registry's
+    order and a task's default model first, marked ``(default)`` where the task has several; what it
+    is, from its page's ``**What it is:**`` line (``docs/models/<name>.md``)."""
+    registry = ModelRegistry(ROOT / "models", ())
+    slots = [s for s in registry.slots.values() if s.config is not None]
+    order = {name: i for i, name in enumerate(TASKS)}
+    default = {}
+    for slot in slots:
+        default.setdefault(slot.config.task, slot.name)
+    several = {t for t in default if sum(s.config.task == t for s in slots) > 1}
+    rows = []
+    for slot in sorted(slots, key=lambda s: (order[s.config.task], s.name != default[s.config.task], s.name)):
+        page = ROOT / "docs" / "models" / f"{slot.name}.md"
+        what = re.search(r"^\*\*What it is:\*\* (.*)\.$", page.read_text(), re.M)
+        if what is None:
+            raise SystemExit(f"{page.relative_to(ROOT)}: no '**What it is:** ….' line under its title")
+        task = slot.config.task + (
+            " (default)" if slot.config.task in several and default[slot.config.task] == slot.name else ""
+        )
+        link = f"[`{slot.name}`](docs/models/{slot.name}.md)"
+        rows.append(f"| {link} | {task} | {what[1]} | {slot.id.partition(':')[2]} |\n")
+    head, rest = (ROOT / "README.md").read_text().split(MODELS_TABLE, 1)
+    tail = rest.split("\n\n", 1)[1]
+    return head + MODELS_TABLE + "".join(rows) + "\n" + tail
+
+
 PAGES = {
     "api.md": api_page,
     "configuration.md": configuration_page,
@@ -223,6 +257,8 @@ def main() -> None:
     for name, build in PAGES.items():
         (ROOT / "docs" / name).write_text(build())
         print(f"wrote docs/{name}")
+    (ROOT / "README.md").write_text(readme())
+    print("wrote README.md's model table")
 
 
 if __name__ == "__main__":

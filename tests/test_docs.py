@@ -43,6 +43,9 @@ def test_generated_reference_pages_are_current() -> None:
     generator = runpy.run_path(str(ROOT / "docs" / "generate.py"))
     for name, build in generator["PAGES"].items():
         assert (ROOT / "docs" / name).read_text() == build(), f"docs/{name} is stale: run docs/generate.py"
+    assert (ROOT / "README.md").read_text() == generator["readme"](), (
+        "README.md's model table is stale: run docs/generate.py"
+    )
 
 
 @pytest.mark.parametrize(("page", "code"), blocks("python"), ids=lambda v: v if v.endswith(".md") else "")

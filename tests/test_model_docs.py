@@ -1,8 +1,8 @@
 """The README's model table and the pages under docs/models/ say what the repository serves.
 
 The served set is the service's own (``ModelRegistry`` with no ``KDEQ_MODELS``: the highest version of
-every model folder), so a version added to ``models/`` fails here until the table and the model's page
-say so.
+every model folder), so a version added to ``models/`` fails here until the model's page says so and
+``docs/generate.py`` has rebuilt the table from the pages (tests/test_docs.py checks it is current).
 """
 
 from __future__ import annotations
