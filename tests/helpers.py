@@ -7,9 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kdeq.maths.psf import parse_psf
 from kdeq.models.repository import find_model, list_models
+from kdeq.predictors.demosaic import cfa_mask
 from kdeq.registry import TASKS
 from kdeq.runtime import native
 from kdeq.tasks.base import Request
@@ -162,3 +164,14 @@ def predict_arguments(
     own = TASKS[task]
     requests = [Request(image.cpu().numpy(), own.options()) for image in images]
     return own.arguments(images, requests, None)
+
+
+def bilinear(mosaic: torch.Tensor, pattern: str) -> torch.Tensor:
+    """Bilinear demosaicking ``(B, 3, H, W)`` of mosaics ``(B, 1, H, W)``: each missing sample the mean
+    of its colour's nearest samples (the tent ``[½, 1, ½]⊗[½, 1, ½]`` normalised over them)."""
+    observed = cfa_mask(pattern, *mosaic.shape[-2:])[None].float()
+    tent = torch.tensor([0.5, 1.0, 0.5])
+    taps = (tent[:, None] * tent[None]).expand(3, 1, 3, 3)
+    num = F.conv2d(mosaic * observed, taps, padding=1, groups=3)
+    den = F.conv2d(observed.expand(mosaic.shape[0], 3, -1, -1), taps, padding=1, groups=3)
+    return torch.where(observed > 0, mosaic.expand_as(num), num / den)

@@ -21,6 +21,7 @@ from kdeq.predictors.demosaic import Demosaicker, cfa_mask
 from kdeq.registry import TASKS
 from kdeq.tasks.base import InputError, solve_batch
 from kdeq.train.trainings import TRAININGS
+from tests.helpers import bilinear
 from tests.tolerances import assert_within, dense_solve_error, gamma, norm2, stopped_solve_error
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "demosaic-kglm" / "1"
@@ -182,17 +183,6 @@ def test_requests_of_both_kinds_and_sizes_solve_in_one_batch(model) -> None:
         "RGB",
         "RGBA",
     ]
-
-
-def bilinear(mosaic: torch.Tensor, pattern: str) -> torch.Tensor:
-    """Bilinear demosaicking ``(B, 3, H, W)`` of mosaics ``(B, 1, H, W)``: each missing sample the mean
-    of its colour's nearest samples (the tent ``[½, 1, ½]⊗[½, 1, ½]`` normalised over them)."""
-    observed = cfa_mask(pattern, *mosaic.shape[-2:])[None].float()
-    tent = torch.tensor([0.5, 1.0, 0.5])
-    taps = (tent[:, None] * tent[None]).expand(3, 1, 3, 3)
-    num = F.conv2d(mosaic * observed, taps, padding=1, groups=3)
-    den = F.conv2d(observed.expand(mosaic.shape[0], 3, -1, -1), taps, padding=1, groups=3)
-    return torch.where(observed > 0, mosaic.expand_as(num), num / den)
 
 
 def test_demosaicking_halves_bilinear_interpolations_error_where_colour_varies_slowly(model) -> None:
