@@ -234,7 +234,3 @@ def validation_set(
             example["level"] = torch.tensor(float(level))
             out.append(example)
     return out
-
-
-# TEMPORARY (issue 56): the name kdeq/tasks' old training hooks import, until they are deleted;
-# delete it with them
