@@ -337,9 +337,10 @@ class Predictor:
         self, y: torch.Tensor, observed: torch.Tensor | None = None, sizes: Sizes | None = None
     ) -> torch.Tensor | None:
         """The Appendix H mean ``m`` ``(B, c, H, W)`` of kind ``none``, ``global`` (per-channel mean of
-        the observed pixels) or ``normalized_convolution``; ``observed`` ``(B, 1, H, W)``, default all
-        (with ``sizes``, each image's own pixels, whose smoothing mirrors at that image's borders as it
-        does when the image is alone)."""
+        the observed pixels) or ``normalized_convolution``; ``observed`` ``(B, 1, H, W)`` (shared by the
+        channels) or ``(B, c, H, W)`` (each channel's own), default all (with ``sizes``, each image's
+        own pixels, whose smoothing mirrors at that image's borders as it does when the image is
+        alone)."""
         kind = self.config.mean
         if kind == "none":
             return None
@@ -350,9 +351,9 @@ class Predictor:
         if kind == "normalized_convolution":
             if sizes is None:
                 return normalized_convolution(y, obs, self.mean_taps)
-            taps = self.mean_taps
+            taps, c = self.mean_taps, y.shape[1]
             both = torch.cat([y, obs], dim=1)
-            return per_image(lambda v: normalized_convolution(v[:, :-1], v[:, -1:], taps), both, sizes)
+            return per_image(lambda v: normalized_convolution(v[:, :c], v[:, c:], taps), both, sizes)
         raise ValueError(f"mean {kind!r} is not defined for {self.name}")
 
     def kglm_layer(

@@ -12,9 +12,9 @@ and the readout at every (channel, pixel) is ``f = m + K M (y − z)/λ``, that 
 
     f = m + K Aᵀ (A K Aᵀ + λI)⁻¹ (y − A m),
 
-``A`` the restriction to the observed pairs, ``m`` the per-channel normalised convolution of the
-observed samples (``kdeq.maths.filters.normalized_convolution``) and ``λ`` fixed. Observed samples are
-returned unchanged.
+``A`` the restriction to the observed pairs, ``m`` the checkpoint's mean of each channel's own samples
+(``Predictor.mean``; the shipped model's: their normalised convolution) and ``λ`` fixed. Observed
+samples are returned unchanged.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from typing import Literal, get_args
 import torch
 
 from kdeq.maths.families import Gaussian
-from kdeq.maths.filters import normalized_convolution
-from kdeq.predictors.base import Prediction, Predictor, Sizes, SolverOverride, per_image, valid_region
+from kdeq.predictors.base import Prediction, Predictor, Sizes, SolverOverride, valid_region
 
 Pattern = Literal["RGGB", "BGGR", "GRBG", "GBRG"]
 
@@ -77,18 +76,8 @@ class Demosaicker(Predictor):
         observed = observed if valid is None else observed * valid
         y = x * observed
         lam = self.lam(torch.zeros(x.shape[0], device=self.device))
-        mean = self._mean(y, observed, sizes)
+        mean = self.mean(y, observed, sizes)
         out = self.conv_layer(Gaussian(), lam)(
             y, mean=mean, mean_out=mean, mask=observed, solver=self.solver(solver)
         )
         return Prediction(torch.where(observed > 0, x, out.eta), out.stats, lam)
-
-    def _mean(self, y: torch.Tensor, observed: torch.Tensor, sizes: Sizes | None) -> torch.Tensor:
-        """``m`` ``(B, 3, H, W)``: each channel's normalised convolution of its own samples ``y``
-        ``(B, 3, H, W)`` with the observed set ``observed`` ``(B, 3, H, W)``, each image of a padded
-        batch mirrored at its own borders."""
-        taps = self.mean_taps
-        if sizes is None:
-            return normalized_convolution(y, observed, taps)
-        both = torch.cat([y, observed], dim=1)
-        return per_image(lambda v: normalized_convolution(v[:, :3], v[:, 3:], taps), both, sizes)
