@@ -77,15 +77,17 @@ def _check_variant(cls: type[Task]) -> None:
         for name in _names(cls) & taken
         if name not in fields
         or name not in cls.options.model_fields
-        or not _same_field(fields[name], cls.options.model_fields[name])
+        or not same_field(fields[name], cls.options.model_fields[name])
     )
     if clash:
         raise ValueError(f"task {cls.name!r}: the fields {clash} of {host.route} would mean two things")
 
 
-def _same_field(a: FieldInfo, b: FieldInfo) -> bool:
-    """Whether two options would read the same form value the same way."""
-    keys = ("annotation", "default", "description", "metadata")
+def same_field(a: FieldInfo, b: FieldInfo) -> bool:
+    """Whether two declarations of a field of one name are one field: the same type, default,
+    description, constraints and schema extras (two tasks' option read from one form value, or two
+    trainings' knob behind one setting and option)."""
+    keys = ("annotation", "default", "description", "metadata", "json_schema_extra")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 

@@ -16,7 +16,7 @@ from pydantic import create_model
 from pydantic.fields import FieldInfo
 
 import kdeq.train.tasks
-from kdeq.registry import TASKS
+from kdeq.registry import TASKS, same_field
 from kdeq.runtime.plugins import defined_in
 from kdeq.train.tasks.base import Knobs, Training
 
@@ -47,19 +47,13 @@ def _registry(classes: list[type[Training]]) -> dict[str, Training]:
 TRAININGS: dict[str, Training] = _registry(training_classes())
 
 
-def _same_knob(a: FieldInfo, b: FieldInfo) -> bool:
-    """Whether two trainings' knobs of one name are one declaration (one option, one setting)."""
-    keys = ("annotation", "default", "description", "metadata", "json_schema_extra")
-    return all(getattr(a, k) == getattr(b, k) for k in keys)
-
-
 def knob_fields(trainings: list[Training]) -> dict[str, FieldInfo]:
     """The union of ``trainings``' knob fields by name, in first-declared order; ``ValueError`` where
     two trainings declare one name differently."""
     out: dict[str, FieldInfo] = {}
     for training in trainings:
         for name, info in training.knobs.model_fields.items():
-            if name in out and not _same_knob(out[name], info):
+            if name in out and not same_field(out[name], info):
                 raise ValueError(f"the {training.name} training's knob {name!r} differs from another's")
             out.setdefault(name, info)
     return out
