@@ -179,11 +179,22 @@ def _median_seconds(client: httpx.Client, url: str, files: dict, data: dict, run
 
 
 @pytest.mark.skipif(threads.available_cores() < 2, reason="one core: no threads to contend")
-def test_every_task_under_a_neighbour_on_every_core_within_3x_its_quiet_time(tmp_path) -> None:
+def test_every_task_under_a_neighbour_on_every_core_within_its_share_of_a_core(tmp_path) -> None:
     """A real server; each task's 256² request quiet, then beside one busy-looping process per core
-    of this process (as ``stress --cpu N`` loads it), then quiet again; the loaded median of five
-    within 3× the slower quiet one (the slower, so that a neighbour of the machine's own who comes
-    or goes during the test does not decide it)."""
+    of this process (as ``stress --cpu N`` loads it), then quiet again. The loaded median of five
+    within ``2C`` times the slower quiet median on ``C`` cores (the slower, so that a neighbour of
+    the machine's own who comes or goes does not decide it):
+
+    - on ``C`` cores a request is at most ``C`` times faster than on one thread;
+    - beside ``C`` busy processes one thread gets at least half a core: the scheduler keeps the
+      ``C + 1`` busy threads on ``C`` cores, at worst two on one of them. Spread evenly, it would
+      get ``C/(C + 1)`` of a core and the bound would be ``C + 1``, issue 54's 3× on two cores;
+      where the threads land changes from one second to the next, and CI's 2-core machine
+      measured one thread 1.5–2.1× slower beside two busy processes from one reading to the next.
+
+    Threads that each wait out a scheduler slice at every barrier, which the free-core count
+    (``kdeq.runtime.threads``) avoids, go past it: 20–30× on the machine issue 54 reported."""
+    cores = threads.available_cores()
     with run_server(tmp_path) as server, httpx.Client(timeout=120) as client:
         cases = {task: _task_request(server, task) for task in sorted(TASKS)}
 
@@ -193,7 +204,7 @@ def test_every_task_under_a_neighbour_on_every_core_within_3x_its_quiet_time(tmp
         for route, files, data in cases.values():  # warm: compiled loops, measured choices
             _median_seconds(client, server.url + route, files, data, 1)
         before = medians()
-        burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(threads.available_cores())]
+        burners = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(cores)]
         try:
             time.sleep(2 * threads.WINDOW)
             loaded = medians()
@@ -207,7 +218,7 @@ def test_every_task_under_a_neighbour_on_every_core_within_3x_its_quiet_time(tmp
     quiet = {t: max(before[t], after[t]) for t in before}
     ratios = {t: loaded[t] / quiet[t] for t in quiet}
     shown = {t: f"{quiet[t]:.3f} s -> {loaded[t]:.3f} s ({r:.2f}x)" for t, r in ratios.items()}
-    assert all(r <= 3.0 for r in ratios.values()), shown
+    assert all(r <= 2 * cores for r in ratios.values()), shown
 
 
 def test_a_forked_child_adapts_with_a_sampler_of_its_own() -> None:
