@@ -62,8 +62,9 @@ def task_family(task: str) -> str:
 
 def check_task_rules(spec: ModelSpecBase) -> None:
     """``ValueError`` where ``spec`` is not a model its task can run: an unregistered task, its task's
-    own rules (``Task.check_spec``), CG on a family whose equilibrium map is not affine; a
-    plug-and-play model's embedded denoiser is held to its own task's rules too."""
+    own rules (``Task.check_spec``: its predictor's, and the noise ``λ`` rule's), CG on a family
+    whose equilibrium map is not affine; a plug-and-play model's embedded denoiser is held to its own
+    task's rules too."""
     family = task_family(spec.task)
     TASKS[spec.task].check_spec(spec)
     if spec.solver.method == "cg" and family != "gaussian":

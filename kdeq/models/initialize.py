@@ -107,7 +107,7 @@ def retasked(spec: ModelSpec, name: str, version: int, task: str, description: s
     ``description``, validated for that task. A task that solves every channel takes no ``chroma``
     option (``GuidedArchitecture``): its models solve the colour differences too."""
     own = spec.model_dump(include=set(ModelSpec.model_fields))
-    if task in TASKS and not TASKS[task].chroma_prior_mean:
+    if task in TASKS and "chroma" not in TASKS[task].predictor.extras:
         own["architecture"].pop("chroma", None)
     return ModelSpec.model_validate(
         own | {"name": name, "version": version, "task": task, "description": description}

@@ -39,7 +39,7 @@ from kdeq.maths.operators import Operator
 from kdeq.maths.precision import ieee
 from kdeq.maths.priors import GaussianPrior
 from kdeq.maths.solvers import SolverConfig, SolverStats
-from kdeq.predictors.spec import Checkpoint, ConvArchitecture, ModelSpecBase
+from kdeq.predictors.spec import EXTRAS, Checkpoint, ConvArchitecture, ModelSpecBase
 
 
 class SolverOverride(BaseModel):
@@ -204,20 +204,35 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def no_posterior(task: str) -> str:
-    """Why a model of ``task`` has no posterior map: its predictor class has no ``gaussian_posterior``.
-    Names the tasks whose (loaded) predictor classes have one."""
+def _tasks_whose(has: Callable[[type[Predictor]], bool]) -> list[str]:
+    """The tasks, sorted, of the predictor classes loaded so far for which ``has(cls)`` holds."""
     found, classes = set(), [Predictor]
     while classes:
         cls = classes.pop()
         classes.extend(cls.__subclasses__())
-        if cls.has_posterior:
+        if hasattr(cls, "task") and has(cls):
             found.add(cls.task)
-    return f"the {task} task has no Gaussian posterior (those that have one: {sorted(found)})"
+    return sorted(found)
+
+
+def no_posterior(task: str) -> str:
+    """Why a model of ``task`` has no posterior map: its predictor class has no ``gaussian_posterior``.
+    Names the tasks whose (loaded) predictor classes have one."""
+    found = _tasks_whose(lambda cls: cls.has_posterior)
+    return f"the {task} task has no Gaussian posterior (those that have one: {found})"
 
 
 class Predictor:
     """Base of the task models; subclasses set ``task`` and implement ``forward``.
+
+    Class attributes, the rules its checkpoints obey (``check_spec``):
+        task: the task whose checkpoints it loads.
+        family: the exponential family of its models (``kdeq.maths.families``).
+        architectures: the architecture kinds (``kdeq.predictors.spec``) its models may have.
+        network: the conditioning (``kdeq.maths.guidenet.GuideNet.condition``) a network of its
+            models has, ``None`` when they have none.
+        extras: the parts of a spec that only some models read (``ModelSpecBase.extras``) that it
+            reads.
 
     Attributes:
         tensors: the checkpoint's tensors on the device (the trainer swaps in its parameters).
@@ -232,8 +247,33 @@ class Predictor:
     """
 
     task: ClassVar[str]
+    family: ClassVar[str] = "gaussian"
+    architectures: ClassVar[tuple[str, ...]] = ("conv",)
+    network: ClassVar[str | None] = None
+    extras: ClassVar[frozenset[str]] = frozenset()
     reads: ClassVar[frozenset[str] | None] = None
     has_posterior: ClassVar[bool] = False
+
+    @classmethod
+    def check_spec(cls, spec: ModelSpecBase) -> None:
+        """Raise ``ValueError`` where ``spec`` is not a model this class can run (its family is
+        checked by ``kdeq.models.checkpoint``): here the declared ``architectures``, ``network`` and
+        ``extras``; a subclass adds its own rules after these."""
+        arch = spec.architecture
+        if arch.kind not in cls.architectures:
+            raise ValueError(
+                f"the {arch.kind} architecture is not for the {cls.task} task (it takes "
+                f"{', '.join(cls.architectures)})"
+            )
+        if arch.net is not None and cls.network is None:
+            raise ValueError(f"the {cls.task} task has no network")
+        if arch.net is not None and arch.net.condition != cls.network:
+            wanted, got = cls.network, arch.net.condition
+            raise ValueError(f"the {cls.task} task's network is conditioned on {wanted!r}, not {got!r}")
+        for extra in sorted(spec.extras() - cls.extras):
+            instead, setting = EXTRAS[extra]
+            readers = " and ".join(_tasks_whose(lambda c, e=extra: e in c.extras))
+            raise ValueError(f"the {cls.task} task's models {instead}: {setting} is {readers}'s")
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         # every task model's forward and pilot run their kGLM operators (and the guide network,

@@ -55,6 +55,7 @@ from kdeq.predictors.denoise import Denoiser
 from kdeq.predictors.spec import (
     Checkpoint,
     GuidedArchitecture,
+    ModelSpecBase,
     NoiseLambda,
     PlugAndPlayArchitecture,
     prior_checkpoint,
@@ -71,7 +72,31 @@ class Deblurrer(Predictor):
     """Gaussian kGLM deblurrer; see the module docstring."""
 
     task = "deblur"
+    architectures = ("conv", "guided", "pnp")
+    network = "sigma"
     reads = frozenset({"w1", "spatial", "smoothing"})
+
+    @classmethod
+    def check_spec(cls, spec: ModelSpecBase) -> None:
+        super().check_spec(spec)
+        arch = spec.architecture
+        if arch.kind == "pnp":
+            if not isinstance(spec.lam, NoiseLambda) or spec.mean != "none" or spec.solver.method != "cg":
+                raise ValueError(
+                    "the plug-and-play deblurrer weighs its steps by the noise λ rule, takes its mean "
+                    "from the prior (mean none) and solves its data steps by CG"
+                )
+            return
+        if arch.kind == "guided":
+            if not arch.kernel.normalize or spec.mean != "local":
+                raise ValueError("the guided deblurrer's kernel is normalised, with its own local mean")
+            return
+        if arch.kernel.channels != 1:
+            raise ValueError("the deblurrer applies one kernel to every channel (channels = 1)")
+        if arch.padding not in ("zeros", "symmetric"):
+            raise ValueError("the deblurrer's border (padding) is zeros or symmetric")
+        if spec.mean not in ("none", "global"):
+            raise ValueError("the deblurrer's mean is none or global")
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
         super().__init__(checkpoint, device)

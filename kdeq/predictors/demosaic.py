@@ -25,6 +25,7 @@ import torch
 
 from kdeq.maths.families import Gaussian
 from kdeq.predictors.base import Prediction, Predictor, Sizes, SolverOverride, valid_region
+from kdeq.predictors.spec import ConvArchitecture, ModelSpecBase
 
 Pattern = Literal["RGGB", "BGGR", "GRBG", "GBRG"]
 
@@ -49,6 +50,17 @@ class Demosaicker(Predictor):
     """Reconstruct a colour image from its Bayer samples; see the module docstring."""
 
     task = "demosaic"
+
+    @classmethod
+    def check_spec(cls, spec: ModelSpecBase) -> None:
+        """Also: a coregional kernel over the 3 colour channels (so that one colour informs another) and
+        a fixed ``λ`` (a mosaic's samples carry no noise level)."""
+        super().check_spec(spec)
+        arch = spec.architecture
+        if not isinstance(arch, ConvArchitecture) or arch.kernel.channels != 3:
+            raise ValueError("a demosaicking model's kernel is coregional over the 3 colour channels")
+        if spec.lam.rule != "fixed":
+            raise ValueError("a demosaicking model's λ is fixed")
 
     @property
     def pads_exactly(self) -> bool:

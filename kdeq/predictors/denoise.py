@@ -44,7 +44,7 @@ from kdeq.predictors.base import (
     per_image,
     valid_region,
 )
-from kdeq.predictors.spec import Checkpoint, GuidedArchitecture, NoiseLambda
+from kdeq.predictors.spec import Checkpoint, GuidedArchitecture, ModelSpecBase, NoiseLambda
 from kdeq.predictors.uncertainty import (
     conv_kernel,
     guided_kernel,
@@ -57,6 +57,17 @@ class Denoiser(Predictor):
     """Gaussian-family denoiser; see the module docstring."""
 
     task = "denoise"
+    architectures = ("conv", "guided")
+    network = "sigma"
+    extras = frozenset({"chroma", "refine"})
+
+    @classmethod
+    def check_spec(cls, spec: ModelSpecBase) -> None:
+        super().check_spec(spec)
+        if spec.architecture.net is not None and spec.architecture.kind != "guided":
+            raise ValueError("the denoiser's network is the guided kernel's guide: use a guided architecture")
+        if getattr(spec.architecture, "chroma", "solved") == "prior_mean" and spec.mean == "none":
+            raise ValueError("chroma 'prior_mean' leaves the colour differences at the mean: it needs one")
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
         super().__init__(checkpoint, device)

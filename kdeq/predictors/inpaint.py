@@ -31,6 +31,7 @@ from kdeq.predictors.base import (
     per_image,
     valid_region,
 )
+from kdeq.predictors.spec import ModelSpecBase
 from kdeq.predictors.uncertainty import conv_kernel, probe_spacing
 
 
@@ -38,6 +39,13 @@ class Inpainter(Predictor):
     """Fill the missing pixels of a batch; see the module docstring."""
 
     task = "inpaint"
+    network = "mask"
+
+    @classmethod
+    def check_spec(cls, spec: ModelSpecBase) -> None:
+        super().check_spec(spec)
+        if spec.architecture.net is not None and spec.mean != "normalized_convolution":
+            raise ValueError("the inpainter's network adds to the normalized_convolution mean")
 
     @property
     def pads_exactly(self) -> bool:

@@ -120,6 +120,10 @@ class PhotonDenoiser(Denoiser):
     """Poisson-family denoiser of photon counts; see the module docstring."""
 
     task = "denoise-poisson"
+    family = "poisson"
+    architectures = ("guided",)
+    network = "sigma"
+    extras = frozenset()
 
     @property
     def pads_exactly(self) -> bool:

@@ -328,6 +328,9 @@ class ImpulseDenoiser(Denoiser):
     the Welsch gate."""
 
     task = "denoise-impulse"
+    architectures = ("guided",)
+    network = "sigma"
+    extras = frozenset()
     #: the robust data term's output is no Gaussian posterior mean: the guided denoiser's posterior,
     #: inherited, would describe another model, so the class has none (``Predictor.has_posterior``)
     gaussian_posterior = Predictor.gaussian_posterior

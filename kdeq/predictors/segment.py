@@ -33,7 +33,7 @@ from kdeq.maths.noise import LUMA
 from kdeq.maths.operators import Diagonal
 from kdeq.maths.solvers import SolverConfig
 from kdeq.predictors.base import GaussianPosterior, Prediction, Predictor, SolverOverride
-from kdeq.predictors.spec import Checkpoint
+from kdeq.predictors.spec import Checkpoint, ModelSpecBase
 from kdeq.predictors.uncertainty import conv_kernel, probe_spacing
 
 
@@ -78,6 +78,14 @@ class Segmenter(Predictor):
     """Binary foreground segmentation; see the module docstring."""
 
     task = "segment"
+    family = "bernoulli"
+    network = "image"
+
+    @classmethod
+    def check_spec(cls, spec: ModelSpecBase) -> None:
+        super().check_spec(spec)
+        if spec.architecture.net is not None and spec.mean != "none":
+            raise ValueError("the segmenter's network is its mean: use mean 'none'")
 
     def __init__(self, checkpoint: Checkpoint, device: str | torch.device = "cpu") -> None:
         super().__init__(checkpoint, device)

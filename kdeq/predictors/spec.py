@@ -145,6 +145,14 @@ LambdaRule = Annotated[NoiseLambda | FixedLambda, Field(discriminator="rule")]
 Mean = Literal["none", "global", "local", "normalized_convolution", "interpolated"]
 
 
+#: each part of a spec that only some models read (``ModelSpecBase.extras``): what a model without it
+#: does instead, and the spec's setting that asks for it
+EXTRAS = {
+    "chroma": ("solve every channel", "chroma 'prior_mean'"),
+    "refine": ("read no refined pilot", "refine"),
+}
+
+
 class ModelSpecBase(_Strict):
     """A model's specification as far as it concerns the model alone: what ``kdeq init`` needs to
     build a kGLM-initialised checkpoint, checked without the task registry
@@ -153,11 +161,11 @@ class ModelSpecBase(_Strict):
     Attributes:
         name, version: the repository path ``models/<name>/<version>``.
         task: a registered task (``kdeq.registry.TASKS``), which fixes the family and the rules the rest
-            of the spec obeys (``Task.check_spec``).
+            of the spec obeys (its predictor's ``Predictor.check_spec``, and ``Task.check_spec``).
         architecture: ``conv`` (stationary) or ``guided`` (adaptive: denoise, deblur), either with a
             learned network (``kdeq.maths.guidenet``): the guided denoiser's guide, the inpainter's or the
             segmenter's mean; or ``pnp``, a denoiser plugged into the task's operator (deblur). Each
-            task says which it takes (``Task.check_spec``).
+            task's predictor says which it takes (``Predictor.architectures``).
         lam: the ``λ`` rule (``noise`` needs a noise level: denoise, deblur).
         mean: Appendix H mean ``m``: ``none``; ``global`` (per-channel image mean);
             ``local`` (the kernel's own normalised average ``D⁻¹K y``, guided only);
@@ -178,6 +186,18 @@ class ModelSpecBase(_Strict):
     mean_smoothing: float = Field(2.0, gt=0)
     presmooth: float = Field(0.0, ge=0)
     solver: SolverConfig = SolverConfig()
+
+    def extras(self) -> frozenset[str]:
+        """The parts of this spec that only some models read (``Predictor.extras``, ``EXTRAS``):
+        ``chroma``, a guided kernel's colour differences left at the prior mean
+        (``GuidedArchitecture.chroma``), and ``refine``, a network's pilot refined by non-local means
+        (``kdeq.maths.guidenet.GuideNet.refine``)."""
+        arch, used = self.architecture, set()
+        if getattr(arch, "chroma", "solved") != "solved":
+            used.add("chroma")
+        if arch.net is not None and arch.net.refine is not None:
+            used.add("refine")
+        return frozenset(used)
 
     @model_validator(mode="after")
     def _local_mean_is_guided(self) -> ModelSpecBase:

@@ -24,6 +24,7 @@ from kdeq.maths.guidenet import upscale_pilot
 from kdeq.maths.operators import BlurSubsample, KernelMap, mirror, solve_observed
 from kdeq.maths.psf import SR_SCALES, bicubic_taps, keys_cubic
 from kdeq.predictors.base import GaussianPosterior, Prediction, Predictor, SolverOverride
+from kdeq.predictors.spec import ModelSpecBase
 from kdeq.predictors.uncertainty import conv_kernel, probe_spacing
 
 
@@ -72,6 +73,18 @@ class SuperResolver(Predictor):
     """Gaussian kGLM super-resolver; see the module docstring."""
 
     task = "super-resolve"
+    network = "scale"
+
+    @classmethod
+    def check_spec(cls, spec: ModelSpecBase) -> None:
+        super().check_spec(spec)
+        if spec.architecture.kernel.channels != 1:
+            raise ValueError("the super-resolver applies one kernel to every channel (channels = 1)")
+        if spec.mean != "interpolated":
+            raise ValueError(
+                "the super-resolver's mean is the bicubic interpolation: use mean 'interpolated'"
+            )
+
     reads = frozenset({"w1"})
 
     def forward(

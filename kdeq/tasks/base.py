@@ -1,13 +1,13 @@
 """What a task is: a kind of request, from its options to its outputs, independent of HTTP.
 
-A ``Task`` owns everything that differs between the kinds of request a model
-answers (denoise, inpaint, …): its name and family, its predictor, its strict
-options model and extra image inputs, the rules its checkpoints obey, how a
-batch of its requests is solved in one ``predict`` call, the fields its results
-carry, the warm-up request that exercises it, and its posterior map's refusals. How its models
-train is the trainer's (``kdeq.train.tasks``). The service's routes, the command line, the trainer
-and the generated docs are built from these declarations (``kdeq.registry.TASKS``); nothing else
-branches on a task's name.
+A ``Task`` owns everything that differs between the kinds of request a model answers (denoise,
+inpaint, …): its name, its predictor, its strict options model and extra image inputs, how a batch
+of its requests is solved in one ``predict`` call, the fields its results carry, how its images are
+cut into tiles, the warm-up request that exercises it, and its posterior map's refusals. The rules
+its checkpoints obey are its predictor's (``Predictor.check_spec``: family, architectures, network),
+and how its models train is the trainer's (``kdeq.train.tasks``). The service's routes, the command
+line, the trainer and the generated docs are built from these declarations
+(``kdeq.registry.TASKS``); nothing else branches on a task's name.
 
 A ``Request`` holds ``(c, H, W)`` float32 numpy images in [0, 1], so that a
 caller that is not torch-aware (the service's decoder threads) can build it.
@@ -177,10 +177,10 @@ class Task:
 
     Attributes:
         name: the task's name (a checkpoint's ``task``, the route ``/name``, the subcommand).
-        family: the exponential family of its models (``kdeq.maths.families``).
         summary: one line saying what it does.
         sample: the name of the generated image (``kdeq.images.samples.sample_images``) to try it on.
-        predictor: the ``Predictor`` subclass its checkpoints load as.
+        predictor: the ``Predictor`` subclass its checkpoints load as, which declares the rules they
+            obey (``Predictor.check_spec``: family, architectures, network).
         options: its ``Options`` model.
         files: its other image inputs.
         fields: the values its results report besides the solver's statistics and ``λ``.
@@ -190,17 +190,9 @@ class Task:
             (``counts_of``).
         variant: how it is also asked for on another task's route and command, ``None`` when only on
             its own.
-        architectures: the architecture kinds (``kdeq.models.checkpoint``) its models may have.
-        network: the conditioning (``kdeq.maths.guidenet.GuideNet.condition``) a network of its models has,
-            ``None`` when they have none.
-        chroma_prior_mean: whether its guided models may leave a colour image's colour differences
-            at the prior mean (``GuidedArchitecture.chroma``).
-        refines_pilot: whether its models' means may read a pilot refined by non-local means
-            (``kdeq.maths.guidenet.GuideNet.refine``, ``kdeq.maths.refine``).
     """
 
     name: ClassVar[str]
-    family: ClassVar[str] = "gaussian"
     summary: ClassVar[str]
     sample: ClassVar[str] = "photo"
     predictor: ClassVar[type[Predictor]]
@@ -210,37 +202,24 @@ class Task:
     grey_output: ClassVar[bool] = False
     counts: ClassVar[bool] = False
     variant: ClassVar[Variant | None] = None
-    architectures: ClassVar[tuple[str, ...]] = ("conv",)
-    network: ClassVar[str | None] = None
-    chroma_prior_mean: ClassVar[bool] = False
-    refines_pilot: ClassVar[bool] = False
 
     @property
     def route(self) -> str:
         return "/" + self.name
 
+    @property
+    def family(self) -> str:
+        """The exponential family of its models (``Predictor.family``)."""
+        return self.predictor.family
+
     def check_spec(self, spec: ModelSpecBase) -> None:
-        """Raise ``ValueError`` where ``spec`` is not a model this task can run (its family is
-        checked by ``kdeq.models.checkpoint``): here the declared ``architectures`` and ``network``, and the
-        noise ``λ`` rule only where requests carry a noise level (the option ``sigma``, given or
-        estimated); a task adds its own rules after these."""
-        arch = spec.architecture
-        if arch.kind not in self.architectures:
-            raise ValueError(
-                f"the {arch.kind} architecture is not for the {self.name} task (it takes "
-                f"{', '.join(self.architectures)})"
-            )
-        if arch.net is not None and self.network is None:
-            raise ValueError(f"the {self.name} task has no network")
-        if arch.net is not None and arch.net.condition != self.network:
-            wanted, got = self.network, arch.net.condition
-            raise ValueError(f"the {self.name} task's network is conditioned on {wanted!r}, not {got!r}")
+        """Raise ``ValueError`` where ``spec`` is not a model this task can run (its family is checked
+        by ``kdeq.models.checkpoint``): its predictor's rules (``Predictor.check_spec``), and the noise
+        ``λ`` rule only where requests carry a noise level (the option ``sigma``, given or
+        estimated)."""
+        self.predictor.check_spec(spec)
         if spec.lam.rule == "noise" and "sigma" not in self.options.model_fields:
             raise ValueError(f"the noise λ rule needs a noise level, which {self.name} requests do not carry")
-        if getattr(arch, "chroma", "solved") != "solved" and not self.chroma_prior_mean:
-            raise ValueError(f"the {self.name} task solves every channel: chroma 'prior_mean' is denoise's")
-        if arch.net is not None and arch.net.refine is not None and not self.refines_pilot:
-            raise ValueError(f"the {self.name} task's mean reads no refined pilot: refine is denoise's")
 
     def prepare(
         self,

@@ -19,7 +19,6 @@ from pydantic import Field
 from kdeq.maths.psf import MAX_PSF_SIDE, check_psf, parse_psf
 from kdeq.predictors.base import Prediction, SolverOverride
 from kdeq.predictors.deblur import Deblurrer
-from kdeq.predictors.spec import ModelSpecBase, NoiseLambda
 from kdeq.tasks.base import (
     FileInput,
     InputError,
@@ -60,30 +59,6 @@ class Deblur(Task):
         ),
     )
     fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
-
-    architectures = ("conv", "guided", "pnp")
-    network = "sigma"
-
-    def check_spec(self, spec: ModelSpecBase) -> None:
-        super().check_spec(spec)
-        arch = spec.architecture
-        if arch.kind == "pnp":
-            if not isinstance(spec.lam, NoiseLambda) or spec.mean != "none" or spec.solver.method != "cg":
-                raise ValueError(
-                    "the plug-and-play deblurrer weighs its steps by the noise λ rule, takes its mean "
-                    "from the prior (mean none) and solves its data steps by CG"
-                )
-            return
-        if arch.kind == "guided":
-            if not arch.kernel.normalize or spec.mean != "local":
-                raise ValueError("the guided deblurrer's kernel is normalised, with its own local mean")
-            return
-        if arch.kernel.channels != 1:
-            raise ValueError("the deblurrer applies one kernel to every channel (channels = 1)")
-        if arch.padding not in ("zeros", "symmetric"):
-            raise ValueError("the deblurrer's border (padding) is zeros or symmetric")
-        if spec.mean not in ("none", "global"):
-            raise ValueError("the deblurrer's mean is none or global")
 
     def prepare(
         self,

@@ -12,7 +12,6 @@ from pydantic import Field
 
 from kdeq.predictors.base import SolverOverride
 from kdeq.predictors.demosaic import Demosaicker, Pattern
-from kdeq.predictors.spec import ConvArchitecture, ModelSpecBase
 from kdeq.tasks.base import InputError, Options, Request, Task
 
 
@@ -32,16 +31,6 @@ class Demosaic(Task):
     sample = "photo"
     predictor = Demosaicker
     options = DemosaicOptions
-
-    def check_spec(self, spec: ModelSpecBase) -> None:
-        """Also: a coregional kernel over the 3 colour channels (so that one colour informs another) and
-        a fixed ``λ`` (a mosaic's samples carry no noise level)."""
-        super().check_spec(spec)
-        arch = spec.architecture
-        if not isinstance(arch, ConvArchitecture) or arch.kernel.channels != 3:
-            raise ValueError("a demosaicking model's kernel is coregional over the 3 colour channels")
-        if spec.lam.rule != "fixed":
-            raise ValueError("a demosaicking model's λ is fixed")
 
     def prepare(
         self,

@@ -11,7 +11,6 @@ import torch
 
 from kdeq.predictors.base import Prediction
 from kdeq.predictors.denoise import Denoiser
-from kdeq.predictors.spec import ModelSpecBase
 from kdeq.tasks.base import NoiseLevel, Options, Request, ResultField, Task, noise_levels, tile_level
 
 
@@ -28,17 +27,6 @@ class Denoise(Task):
     predictor = Denoiser
     options = DenoiseOptions
     fields = (ResultField("sigma", "noise level used, 0–255", ".3f"),)
-    architectures = ("conv", "guided")
-    network = "sigma"
-    chroma_prior_mean = True
-    refines_pilot = True
-
-    def check_spec(self, spec: ModelSpecBase) -> None:
-        super().check_spec(spec)
-        if spec.architecture.net is not None and spec.architecture.kind != "guided":
-            raise ValueError("the denoiser's network is the guided kernel's guide: use a guided architecture")
-        if getattr(spec.architecture, "chroma", "solved") == "prior_mean" and spec.mean == "none":
-            raise ValueError("chroma 'prior_mean' leaves the colour differences at the mean: it needs one")
 
     def batch_key(self, request: Request) -> Hashable:
         # given levels may differ within a batch (σ is per sample); estimated ones are estimated per image

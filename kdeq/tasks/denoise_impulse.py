@@ -30,8 +30,6 @@ class DenoiseImpulse(Task):
     variant = Variant(
         "denoise", "noise", "impulse", "gaussian", "Gaussian noise plus salt-and-pepper impulses"
     )
-    architectures = ("guided",)
-    network = "sigma"
 
     def batch_key(self, request: Request) -> Hashable:
         return (request.options.sigma is None, request.solver)

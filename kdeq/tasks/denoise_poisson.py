@@ -34,7 +34,6 @@ class DenoisePoisson(Task):
     output is the rate scaled so that `peak` counts are full scale, in the input's bit depth."""
 
     name = "denoise-poisson"
-    family = "poisson"
     summary = "Remove photon (Poisson) noise from an image of counts"
     sample = "counts"
     predictor = PhotonDenoiser
@@ -48,8 +47,6 @@ class DenoisePoisson(Task):
         "gaussian",
         "photon counts as stored, with `peak`",
     )
-    architectures = ("guided",)
-    network = "sigma"
 
     def batch_key(self, request: Request) -> Hashable:
         # given peaks may differ within a batch (one per sample); estimated ones are estimated per image

@@ -11,7 +11,6 @@ import torch
 
 from kdeq.predictors.base import SolverOverride, pad_images
 from kdeq.predictors.inpaint import Inpainter
-from kdeq.predictors.spec import ModelSpecBase
 from kdeq.tasks.base import FileInput, InputError, Options, Request, Task, tile_level
 
 
@@ -31,12 +30,6 @@ class Inpaint(Task):
             "mask",
         ),
     )
-    network = "mask"
-
-    def check_spec(self, spec: ModelSpecBase) -> None:
-        super().check_spec(spec)
-        if spec.architecture.net is not None and spec.mean != "normalized_convolution":
-            raise ValueError("the inpainter's network adds to the normalized_convolution mean")
 
     def prepare(
         self,

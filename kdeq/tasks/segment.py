@@ -11,7 +11,6 @@ from pydantic import Field
 
 from kdeq.predictors.base import Prediction
 from kdeq.predictors.segment import Segmenter
-from kdeq.predictors.spec import ModelSpecBase
 from kdeq.tasks.base import Options, Request, ResultField, Task
 
 
@@ -32,19 +31,12 @@ class Segment(Task):
     """Segment `image` into foreground and background with kernel logistic regression."""
 
     name = "segment"
-    family = "bernoulli"
     summary = "Binary foreground mask"
     sample = "scan"
     predictor = Segmenter
     options = SegmentOptions
     fields = (ResultField("threshold", "threshold used, in [0, 1]", ".4f"),)
     grey_output = True
-    network = "image"
-
-    def check_spec(self, spec: ModelSpecBase) -> None:
-        super().check_spec(spec)
-        if spec.architecture.net is not None and spec.mean != "none":
-            raise ValueError("the segmenter's network is its mean: use mean 'none'")
 
     def batch_key(self, request: Request) -> tuple:
         # the output kind is chosen per request from the same solve

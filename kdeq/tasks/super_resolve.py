@@ -13,7 +13,6 @@ import torch
 from pydantic import Field
 
 from kdeq.maths.psf import SR_SCALES
-from kdeq.predictors.spec import ModelSpecBase
 from kdeq.predictors.super_resolve import SuperResolver, interpolation_sums
 from kdeq.tasks.base import Options, Request, Task, tile_level
 
@@ -32,16 +31,6 @@ class SuperResolve(Task):
     sample = "small"
     predictor = SuperResolver
     options = SuperResolveOptions
-    network = "scale"
-
-    def check_spec(self, spec: ModelSpecBase) -> None:
-        super().check_spec(spec)
-        if spec.architecture.kernel.channels != 1:
-            raise ValueError("the super-resolver applies one kernel to every channel (channels = 1)")
-        if spec.mean != "interpolated":
-            raise ValueError(
-                "the super-resolver's mean is the bicubic interpolation: use mean 'interpolated'"
-            )
 
     def output_size(self, request: Request) -> tuple[int, int]:
         s = request.options.scale
