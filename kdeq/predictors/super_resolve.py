@@ -74,6 +74,7 @@ class SuperResolver(Predictor):
 
     task = "super-resolve"
     network = "scale"
+    reads = frozenset({"w1"})
 
     @classmethod
     def check_spec(cls, spec: ModelSpecBase) -> None:
@@ -84,8 +85,6 @@ class SuperResolver(Predictor):
             raise ValueError(
                 "the super-resolver's mean is the bicubic interpolation: use mean 'interpolated'"
             )
-
-    reads = frozenset({"w1"})
 
     def forward(
         self,
