@@ -24,16 +24,17 @@ sys.path.insert(0, str(ROOT))
 from kdeq.images.imageio import read_image  # noqa: E402
 from kdeq.models.repository import default_models_dir, find_model, load_predictor  # noqa: E402
 from kdeq.predictors.demosaic import cfa_mask  # noqa: E402
+from kdeq.train.data import centre_crop  # noqa: E402
+from kdeq.train.objectives import psnr  # noqa: E402
 from tests.helpers import bilinear  # noqa: E402
 
 BORDER = 4
 
 
-def psnr(out: torch.Tensor, clean: torch.Tensor) -> float:
+def inner_psnr(out: torch.Tensor, clean: torch.Tensor) -> float:
     """PSNR (dB) of ``out`` clipped to [0, 1] against ``clean``, both ``(1, 3, H, W)``, within ``BORDER``."""
     inner = (..., slice(BORDER, -BORDER), slice(BORDER, -BORDER))
-    mse = float((out.clamp(0, 1)[inner] - clean[inner]).square().mean())
-    return 10 * torch.log10(torch.tensor(1 / mse)).item()
+    return float(psnr(out[inner], clean[inner]))
 
 
 def main() -> None:
@@ -52,17 +53,14 @@ def main() -> None:
         clean = read_image(path)
         if clean.shape[1] != 3:
             continue
-        if args.crop:
-            h, w = clean.shape[-2:]
-            top, left = (h - args.crop) // 2, (w - args.crop) // 2
-            clean = clean[..., top : top + args.crop, left : left + args.crop]
+        clean = centre_crop(clean, args.crop)
         observed = cfa_mask(args.pattern, *clean.shape[-2:])
         mosaic = (clean * observed).sum(dim=1, keepdim=True)
         start = time.perf_counter()
         out = model.predict(mosaic, pattern=args.pattern).output
         seconds.append(time.perf_counter() - start)
-        ours.append(psnr(out, clean))
-        theirs.append(psnr(bilinear(mosaic, args.pattern), clean))
+        ours.append(inner_psnr(out, clean))
+        theirs.append(inner_psnr(bilinear(mosaic, args.pattern), clean))
         print(f"{path.name:<14} {ours[-1]:6.2f} dB   bilinear {theirs[-1]:6.2f} dB   {seconds[-1]:.2f} s")
     n = len(ours)
     print(

@@ -30,15 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 from kdeq.models.repository import default_models_dir, find_model, list_models, load_predictor  # noqa: E402
 from kdeq.predictors.base import Predictor  # noqa: E402
-from kdeq.train.data import image_files, load_images, validation_set  # noqa: E402
+from kdeq.train.data import centre_crop, image_files, load_images, validation_set  # noqa: E402
 from kdeq.train.trainings import TRAININGS  # noqa: E402
-
-
-def centre(x: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``size × size`` centre of ``x`` ``(c, H, W)``."""
-    h, w = x.shape[-2:]
-    i, j = max(0, (h - size) // 2), max(0, (w - size) // 2)
-    return x[..., i : i + size, j : j + size]
 
 
 def score(model: Predictor, inputs: tuple, batch: dict, pilot: bool) -> tuple[float, float | None]:
@@ -59,7 +52,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=12, help="at most this many images")
     args = parser.parse_args()
     root = default_models_dir()
-    images = [centre(x, args.crop) for x in load_images(image_files([args.data])[: args.limit], 1)]
+    images = [centre_crop(x, args.crop) for x in load_images(image_files([args.data])[: args.limit], 1)]
     print(f"{len(images)} images of {args.data}, {args.crop}² centre crops, grey\n")
     print("| model | level | output | iterations | pilot alone | output − pilot | kGLM closed form |")
     print("|---|---|---|---|---|---|---|")

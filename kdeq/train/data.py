@@ -43,6 +43,16 @@ def image_files(directories: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+def centre_crop(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size × size`` centre of ``x`` ``(…, H, W)`` (each side at most the image's); ``x`` itself
+    for ``size`` ≤ 0."""
+    if size <= 0:
+        return x
+    h, w = x.shape[-2:]
+    i, j = max(0, (h - size) // 2), max(0, (w - size) // 2)
+    return x[..., i : i + size, j : j + size]
+
+
 def load_images(files: Sequence[Path], channels: int) -> list[torch.Tensor]:
     """Each file as ``(channels, H, W)`` float32 in [0, 1]: colour to luminance for 1, grey repeated for 3."""
     out = []

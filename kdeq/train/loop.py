@@ -58,6 +58,7 @@ from kdeq.runtime.atomic import write_files
 from kdeq.train.config import TrainConfig
 from kdeq.train.data import (
     PatchDataset,
+    centre_crop,
     check_patch_size,
     image_files,
     load_images,
@@ -272,17 +273,9 @@ def evaluate(
 def validation_examples(cfg: TrainConfig) -> list[dict[str, torch.Tensor]]:
     """``cfg``'s fixed validation examples: the first ``val_limit`` images of ``val``, centre-cropped
     to ``val_crop``, each at every level (``validation_set``), the same for every epoch and run."""
-    images = [_centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
+    images = [centre_crop(x, cfg.val_crop) for x in load_images(image_files(cfg.val), cfg.channels)]
     training, settings = TRAININGS[cfg.task], cfg.task_knobs()
     return validation_set(images[: cfg.val_limit], training, settings, cfg.levels(), cfg.seed)
-
-
-def _centre_crop(x: torch.Tensor, size: int) -> torch.Tensor:
-    if size <= 0:
-        return x
-    h, w = x.shape[-2:]
-    i, j = max(0, (h - size) // 2), max(0, (w - size) // 2)
-    return x[..., i : i + size, j : j + size]
 
 
 #: the zero-border convolution backend training uses where ``KDEQ_CONV_BACKEND`` is unset: the one
